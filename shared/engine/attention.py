@@ -1,0 +1,78 @@
+"""Attention over the paged KV cache for one flattened batch of variable-length chunks.
+
+Token order in a batch (built by the model runner): first ``num_decode`` single-token sequences, then the
+prefill chunks, each contiguous. Every layer first stores the batch's new K/V into the cache, then attends,
+so a sequence whose prefix blocks are being computed in this very step by another sequence (a prefix hit
+on a block scheduled in the same step) reads them correctly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.kv_store import store_kv
+from kernels.paged_attention import paged_decode_attention
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One multi-token chunk: tokens ``[start, end)`` of the batch are positions
+    ``[context_len - (end - start), context_len)`` of the sequence."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode: int
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32
+    prefills: list[PrefillChunk]
+    block_size: int
+
+
+def _chunk_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """Boolean mask [q_len, context_len]: query i (position context_len-q_len+i) sees key j iff causal
+    and inside the sliding window."""
+    q_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # q: [T, H, D]; k, v: [T, kvh, D]
+    k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_blocks, block_size, kvh, D] (strided views)
+    meta: AttentionMetadata, scale: float, sliding_window: int | None,
+) -> torch.Tensor:  # [T, H, D]
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale, sliding_window)
+    for chunk in meta.prefills:
+        q_len = chunk.end - chunk.start
+        qc = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, D]
+        if chunk.context_len == q_len:  # no earlier context: attend within the chunk itself
+            kc, vc = k[chunk.start:chunk.end], v[chunk.start:chunk.end]  # [q_len, kvh, D]
+        else:
+            n = chunk.context_len
+            kc = k_cache[chunk.block_table].flatten(0, 1)[:n]  # [n, kvh, D]
+            vc = v_cache[chunk.block_table].flatten(0, 1)[:n]
+        kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)  # [kvh, n, D]
+        if sliding_window is None and chunk.context_len == q_len:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = _chunk_mask(q_len, chunk.context_len, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[chunk.start:chunk.end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,150 @@
+"""Paged KV block manager with prefix caching.
+
+Invariants:
+- A block is either held (``ref_cnt > 0``, owned by one or more requests) or in ``free_queue``
+  (``ref_cnt == 0``), never both.
+- ``free_queue`` is the eviction order: its head is reused first. Freed blocks that carry no hash go to the
+  head (they are worthless); freed hashed blocks go to the tail (LRU), a request's tail blocks before its
+  head blocks, so a shared prefix outlives the suffixes built on it.
+- ``cached`` maps a block hash to the one block holding it. A hit is confirmed by comparing the block's full
+  key (parent hash, token ids, extra), never by hash alone. Reusing a hashed free block drops its hash.
+- ``allocate_slots`` returns ``None`` (caller must preempt or wait) and changes nothing when out of room.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from shared.engine.request import Request
+from shared.kv.block_hash import ROOT_PARENT, first_block_extra
+
+BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.key: BlockKey | None = None
+
+
+def block_key(request: Request, index: int) -> BlockKey:
+    """The full identity of the request's ``index``-th block (what a hash hit must match)."""
+    bs = request.block_size
+    parent = request.block_hashes[index - 1] if index else ROOT_PARENT
+    extra = first_block_extra(request.model_id, request.cache_salt) if index == 0 else ()
+    return parent, tuple(request.all_token_ids[index * bs:(index + 1) * bs]), extra
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_registered: dict[str, int] = {}  # request id -> how many of its blocks are hashed
+        self.num_query_tokens = 0  # prefix-cache accounting: tokens looked up / found
+        self.num_hit_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's full blocks: ``(block_ids, num_tokens)``.
+
+        At least one token is always left to compute (its logits are needed), so a fully cached prompt
+        reuses all blocks but the last full one.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(request.block_hashes[:max_blocks]):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].key != block_key(request, i):
+                break
+            hits.append(bid)
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # -- mutations -------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` plus the
+        ``computed_blocks`` prefix hit. Returns the newly allocated block ids, or ``None`` if there is no
+        room (nothing changed)."""
+        held = self.req_to_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
+        num_touched_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if num_needed > len(self.free_queue) - num_touched_free:
+            return None
+        held = self.req_to_blocks.setdefault(request.request_id, held)
+        for bid in computed_blocks:
+            block = self.blocks[bid]
+            if block.ref_cnt == 0:
+                del self.free_queue[bid]
+            block.ref_cnt += 1
+            held.append(bid)
+        if computed_blocks:
+            self.num_registered[request.request_id] = len(held)
+        new_ids = []
+        for _ in range(max(num_needed, 0)):
+            bid, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[bid]
+            if block.block_hash is not None:  # evict: the cached content is being overwritten
+                if self.cached.get(block.block_hash) == bid:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.key = None, None
+            block.ref_cnt = 1
+            new_ids.append(bid)
+        held.extend(new_ids)
+        if self.enable_caching:
+            self._register_full_blocks(request, total // self.block_size)
+        return new_ids
+
+    def _register_full_blocks(self, request: Request, num_full: int) -> None:
+        """Publish the request's blocks ``[num_registered, num_full)`` in the prefix cache. Their tokens are
+        known now; their KV is written during this step before any attention reads it."""
+        held = self.req_to_blocks[request.request_id]
+        start = self.num_registered.get(request.request_id, 0)
+        num_full = min(num_full, len(request.block_hashes))
+        for i in range(start, num_full):
+            h, block = request.block_hashes[i], self.blocks[held[i]]
+            if h not in self.cached:
+                self.cached[h] = block.block_id
+                block.block_hash, block.key = h, block_key(request, i)
+        self.num_registered[request.request_id] = max(start, num_full)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (idempotent). Hashed blocks stay cached until evicted."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_registered.pop(request_id, None)
+        for bid in reversed(blocks):
+            block = self.blocks[bid]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[bid] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after a failed step left KV contents undefined)."""
+        for block in self.blocks:
+            block.block_hash, block.key = None, None
+        self.cached.clear()

@@ -1,0 +1,171 @@
+"""The single-process engine: the reference every disaggregated deployment must match token for token.
+
+``add_request`` validates and queues; ``step`` schedules one batch, runs it, samples, applies stop rules
+and returns incremental ``RequestOutput``s. Bad input raises ``DeepinferError`` at ``add_request`` and never
+disturbs requests already running.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.outputs import RequestOutput
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer=None) -> None:
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            bytes_per_block = (mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim
+                               * model.embed.element_size())
+            num_blocks = max(1, config.kv_cache_bytes // bytes_per_block)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+                    mc.model_id, model.device, model.dtype, num_blocks, config.block_size, self.max_model_len)
+
+    @classmethod
+    def from_path(cls, path=None, config: EngineConfig | None = None, progress=None) -> "LLMEngine":
+        """Load a GGUF file or HF folder (``None``: the default SmolLM2) and build an engine."""
+        from shared.model.loader import load_model_files
+
+        config = config or EngineConfig()
+        torch.set_num_threads(config.resolve_threads())  # process-wide: one engine per process
+        model_config, weights, tokenizer = load_model_files(path, progress=progress)
+        device = config.resolve_device()
+        model = LlamaModel(model_config, weights, config.resolve_dtype(device), device)
+        return cls(model, config, tokenizer)
+
+    # -- request API -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``DeepinferError`` if the request can never be served by this engine."""
+        if not prompt_token_ids:
+            raise invalid("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise invalid(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "
+                                 f"the context window is {self.max_model_len}")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if min(total, self.max_model_len) > capacity:
+            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens exceeds "
+                                 f"the KV cache capacity of {capacity} tokens")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str = "") -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise invalid(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, block_size=self.config.block_size,
+                      model_id=self.model.config.model_id, cache_salt=cache_salt)
+        if self.tokenizer is not None:
+            req.detokenizer = self.tokenizer.incremental_decoder()
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception:  # a bug or device failure: fail this batch, keep the engine alive
+            logger.exception("step failed; failing %d requests", len(sched.scheduled))
+            self.block_manager.reset_prefix_cache()
+            return [self._finish(s.request, "error") for s in sched.scheduled]
+        now = time.perf_counter()
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id in sampled:
+                outputs.append(self._append(req, sampled[req.request_id], now))
+        return outputs
+
+    def _append(self, req: Request, token: int, now: float) -> RequestOutput:
+        req.append_token(token)
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = now
+        req.stats.token_times.append(now)
+        params, text, reason = req.params, "", None
+        is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if req.detokenizer is not None and not is_stop_token:
+            text = req.detokenizer.add(token)
+            if params.stop:
+                text, reason = self._apply_stop_strings(req, text)
+            req.output_text += text
+        if is_stop_token:
+            reason = "stop"
+        elif reason is None and (req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            return self._finish(req, reason, [token], text)
+        return RequestOutput(req.request_id, [token], text, False)
+
+    @staticmethod
+    def _apply_stop_strings(req: Request, text: str) -> tuple[str, str | None]:
+        """Cut ``text`` before the first stop string completed by it; stop strings may straddle steps."""
+        longest = max(len(s) for s in req.params.stop)
+        tail_start = max(0, len(req.output_text) - longest + 1)
+        window = req.output_text[tail_start:] + text
+        cut = min((i for i in (window.find(s) for s in req.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return text, None
+        keep = cut - (len(req.output_text) - tail_start)  # may be negative: stop began in earlier text
+        if keep < 0:  # already emitted text cannot be recalled; end here
+            return "", "stop"
+        return text[:keep], "stop"
+
+    def _finish(self, req: Request, reason: str, tokens: list[int] | None = None, text: str = "") -> RequestOutput:
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        st = req.stats
+        return RequestOutput(req.request_id, tokens or [], text, True, reason, req.num_prompt_tokens,
+                             st.num_cached_tokens, req.num_output_tokens, st.ttft, st.tpot)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; return each one's output token ids (in order)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]

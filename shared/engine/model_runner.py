@@ -1,0 +1,80 @@
+"""Turns a ``SchedulerOutput`` into one forward pass over the paged KV cache and samples next tokens.
+
+Batch layout: single-token chunks first (decode attention over the block table), then multi-token chunks
+(prefill attention). Logits are computed only for requests whose chunk reaches the end of their known
+tokens (``ScheduledRequest.samples``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.engine.attention import AttentionMetadata, PrefillChunk
+from shared.engine.block_manager import BlockManager
+from shared.engine.sampler import sample
+from shared.engine.scheduler import SchedulerOutput
+from shared.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
+        self.model, self.bm = model, block_manager
+        c = model.config
+        # kv_cache: [num_blocks, L, 2, block_size, kvh, D]; a block's bytes are contiguous (for transfer)
+        self.kv_cache = torch.zeros(block_manager.num_blocks, c.num_layers, 2, block_manager.block_size,
+                                    c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device)
+
+    def _prepare(self, out: SchedulerOutput):
+        bs, device = self.bm.block_size, self.model.device
+        ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # stable: decodes first
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logits_rows: list[int] = []
+        sampled: list = []
+        for s in ordered:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = self.bm.block_ids(req.request_id)
+            pos = np.arange(start, start + n, dtype=np.int64)
+            positions.append(pos)
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            row0 = len(ids)
+            ids.extend(req.all_token_ids[start:start + n])
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                num_blocks = -(-(start + n) // bs)
+                prefills.append(PrefillChunk(row0, row0 + n, start + n,
+                                             torch.tensor(table[:num_blocks], dtype=torch.long, device=device)))
+            if s.samples:
+                logits_rows.append(row0 + n - 1)
+                sampled.append(req)
+        width = max((len(t) for t in decode_tables), default=0)
+        tables = np.zeros((len(decode_tables), width), dtype=np.int32)
+        for i, t in enumerate(decode_tables):
+            tables[i, :len(t)] = t
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            num_decode=len(decode_tables),
+            decode_block_tables=torch.from_numpy(tables).to(device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+            prefills=prefills, block_size=bs)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        return input_ids, pos_t, meta, rows, sampled
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; return ``{request_id: sampled token}`` for requests that reached a sample point."""
+        if not out.scheduled:
+            return {}
+        input_ids, positions, meta, rows, sampled = self._prepare(out)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
+        if not sampled:
+            return {}
+        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        return {r.request_id: t for r, t in zip(sampled, tokens)}

@@ -1,0 +1,113 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends at most ``max_num_batched_tokens`` tokens. Running requests go first, in arrival order,
+each advancing ``num_computed_tokens`` by up to its remaining tokens (1 for a decode, a chunk for a prefill);
+then waiting requests are admitted (prefix-cache hit first) while budget, blocks and ``max_num_seqs``
+allow. There are no prefill/decode phases: only token counts.
+
+When a running request cannot get a block, the most recently admitted running request is preempted: its
+blocks are freed (hashed ones stay cached), ``num_computed_tokens`` returns to 0, and it goes to the front of
+the waiting queue to be recomputed later (its output tokens are kept: recompute reproduces their KV).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) run this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step completes the known tokens, so a next token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and free its blocks (finish or abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.bm.free(request.request_id)
+
+    def _preempt(self, victim: Request) -> None:
+        self.bm.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.stats.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        logger.debug("preempted %s (recompute %d tokens)", victim.request_id, victim.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.bm.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it can run either
+        if out.preempted:
+            return out  # memory is tight: admit nobody this step
+        now = time.perf_counter()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.bm.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if self.bm.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.stats.first_scheduled_time is None:
+                req.stats.first_scheduled_time = now
+                req.stats.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out

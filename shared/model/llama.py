@@ -1,0 +1,98 @@
+"""LLaMA-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+RMSNorm → GQA attention with RoPE (fused QKV projection, optional Q/K/V bias, optional per-layer sliding
+window) → residual → RMSNorm → SwiGLU MLP (fused gate/up) → residual; final RMSNorm; LM head (tied or not)
+evaluated only at the positions the caller asks for (``logits_indices``), never on every prompt token.
+
+Weights arrive in HF naming (see shared/model/gguf_loader.py and hf_loader.py) and are fused at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.attention import AttentionMetadata, attend
+from shared.errors import DeepinferError, ErrorCode
+from shared.model.config import ModelConfig
+from shared.model.rope import apply_rope, build_rope_cache
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * ffn, hidden]
+    down: torch.Tensor  # [hidden, ffn]
+    sliding_window: int | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-exact RMSNorm: normalise in float32 (or wider), then scale in the model dtype."""
+    compute = x if x.dtype == torch.float64 else x.float()
+    var = compute.pow(2).mean(-1, keepdim=True)
+    return weight * (compute * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+class LlamaModel:
+    """Inference-only decoder. Not an nn.Module: it owns plain tensors and never tracks gradients."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise DeepinferError(ErrorCode.MODEL_CORRUPT, f"checkpoint lacks tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")  # [V, hidden]
+        self.final_norm = take("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                qkv_bias=bias,
+                o_proj=take(a + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down=take(p + "mlp.down_proj.weight"),
+                sliding_window=config.layer_sliding_windows[i],
+            ))
+        self.cos, self.sin = build_rope_cache(config, dtype, device)  # [P, D] each
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,  # [T] int64 each
+        meta: AttentionMetadata, kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, kvh, D]
+        logits_indices: torch.Tensor,  # [S] int64: rows of the batch whose next-token logits are wanted
+    ) -> torch.Tensor:  # [S, V]
+        c = self.config
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, kvh, D]
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            o = attend(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.scale, layer.sliding_window)
+            h = h + F.linear(o.flatten(1), layer.o_proj)
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, ffn] each
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], self.final_norm, c.rms_norm_eps)  # [S, hidden]
+        return F.linear(h, self.lm_head)  # [S, V]

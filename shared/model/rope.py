@@ -1,0 +1,81 @@
+"""Rotary position embeddings (NeoX / HF "rotate_half" layout) with the scaling variants of Llama 3,
+linear, static dynamic-NTK and YaRN (Qwen2's long-context option).
+
+The cos/sin table is precomputed once for ``max_position_embeddings`` positions in float64 and cast to the
+model dtype, so every request sees bit-identical rotations regardless of how it is batched.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shared.model.config import ModelConfig
+
+
+def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [D/2]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    factor = scaling["factor"]
+    old_len = scaling.get("original_max_position_embeddings", 4096)
+    beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = _default_inv_freq(head_dim, theta)
+    interpolation = extrapolation / factor
+    inv_freq = interpolation * ramp + extrapolation * (1 - ramp)
+    mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv_freq, mscale
+
+
+def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)``, each ``[max_positions, head_dim]`` (halves duplicated, NeoX layout)."""
+    d, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    inv_freq, mscale = _default_inv_freq(d, theta), 1.0
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind == "dynamic":  # static NTK at the full context, as vLLM does
+        factor, old_len = scaling["factor"], scaling.get("original_max_position_embeddings",
+                                                          config.max_position_embeddings)
+        max_len = config.max_position_embeddings
+        base = theta * ((factor * max_len / old_len) - (factor - 1)) ** (d / (d - 2))
+        inv_freq = _default_inv_freq(d, base)
+    elif kind == "yarn":
+        inv_freq, mscale = _yarn_inv_freq(d, theta, scaling)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+    freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+    return (emb.cos() * mscale).to(dtype=dtype, device=device), (emb.sin() * mscale).to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [T, heads, D]`` by per-token ``cos/sin: [T, D]`` (already indexed by position)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -49,16 +49,15 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check_shapes(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    slots = slot_mapping.to(torch.long)  # slots: [T]
-    skip = slots < 0
-    if bool(skip.any()):
-        keep = ~skip
+    slots = slot_mapping.long()  # slots: [T]; no-op when already int64
+    if int(slots.min()) < 0:  # padding present: drop the -1 slots
+        keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         if slots.numel() == 0:
             return
     block_size = k_cache.shape[1]
-    blk = torch.div(slots, block_size, rounding_mode="floor")  # blk: [T']
-    off = slots - blk * block_size  # off: [T']
+    blk = slots // block_size  # blk: [T']
+    off = slots % block_size  # off: [T']
     # Advanced-index assignment is an index_put_ on the view: it writes
     # through to the underlying (strided) storage.
     k_cache[blk, off] = key.to(k_cache.dtype)

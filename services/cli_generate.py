@@ -15,7 +15,8 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
-    bar = tqdm(total=0, desc="loading model", unit="tensor", file=sys.stderr, leave=False)
+    bar = tqdm(total=0, desc="loading model", unit="tensor", file=sys.stderr, leave=False,
+                disable=not sys.stderr.isatty())
 
     def progress(done: int, total: int) -> None:
         bar.total = total

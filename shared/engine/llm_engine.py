@@ -126,7 +126,7 @@ class LLMEngine:
         params, text, reason = req.params, "", None
         is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         if req.detokenizer is not None and not is_stop_token:
-            text = req.detokenizer.add(token)
+            text = req.detokenizer.feed(token)
             if params.stop:
                 text, reason = self._apply_stop_strings(req, text)
             req.output_text += text
@@ -135,6 +135,8 @@ class LLMEngine:
         elif reason is None and (req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if req.detokenizer is not None and reason == "length":
+                text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
             return self._finish(req, reason, [token], text)
         return RequestOutput(req.request_id, [token], text, False)
 

@@ -78,9 +78,17 @@ def open_gguf(path: str | Path) -> GGUFReader:
     if not path.is_file():
         raise corrupt(path, "is not a regular file (expected a .gguf file)")
     try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise corrupt(path, f"cannot be read ({exc})") from exc
+    if magic != b"GGUF":
+        raise corrupt(path, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
         return _FastGGUFReader(path)
     except Exception as exc:  # the gguf package raises ValueError/IndexError/struct errors alike
-        raise corrupt(path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise corrupt(path, f"truncated or corrupt GGUF file ({path.stat().st_size} bytes): "
+                            f"{type(exc).__name__}: {exc}") from exc
 
 
 def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -216,8 +224,8 @@ def _read_config(path: str | Path, reader: GGUFReader, tensors: dict[str, Any]) 
             vocab_size=int(embd.shape[-1]), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
             num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
             head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(reader, arch, tensors),
             max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
@@ -254,8 +262,13 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict[str, Any]) -> dic
     for key, hf_key in renames.items():
         value = get(key)
         if value is not None:
-            out[hf_key] = int(value) if hf_key == "original_max_position_embeddings" else float(value)
+            out[hf_key] = int(value) if hf_key == "original_max_position_embeddings" else _f32(value)
     return out
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
 
 
 def _opt_int(value: Any) -> int | None:

@@ -33,6 +33,8 @@ class LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF-exact RMSNorm: normalise in float32 (or wider), then scale in the model dtype."""
+    if x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, weight.shape, weight, eps)  # fused; same math in the input's precision
     compute = x if x.dtype == torch.float64 else x.float()
     var = compute.pow(2).mean(-1, keepdim=True)
     return weight * (compute * torch.rsqrt(var + eps)).to(x.dtype)

@@ -1,0 +1,114 @@
+"""Engine throughput: deepinfer's engine vs HF transformers ``generate`` on the same 64 prompts.
+
+Same model (SmolLM2-135M-Instruct, dequantised to fp32), same dtype, same thread count, greedy, 64 new
+tokens, EOS ignored. Prints output tokens/s for both, their ratio, and whether the greedy tokens agree.
+The prompt set is the one behind ``../shared/PEERS.md`` (vLLM-CPU ≈85 tok/s, HF batch 16 ≈17 tok/s here).
+
+    python benchmarks/engine_throughput.py                 # full set, HF batch 16
+    python benchmarks/engine_throughput.py --limit 16      # quicker
+    python benchmarks/engine_throughput.py --profile       # where deepinfer's time goes
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import logging
+import os
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model_files
+
+PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
+log = logging.getLogger("bench")
+
+
+def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, profile: bool):
+    from shared.model.llama import LlamaModel
+
+    model = LlamaModel(config, weights, torch.float32, torch.device("cpu"))
+    engine = LLMEngine(model, engine_cfg, tokenizer)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    profiler = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    outputs = engine.generate(prompts, params)
+    if profiler:
+        profiler.disable()
+    wall = time.perf_counter() - t0
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    return outputs, wall, engine.block_manager.num_hit_tokens
+
+
+def run_hf(config, weights, prompts, new_tokens, batch_size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                         max_position_embeddings=config.max_position_embeddings,
+                         tie_word_embeddings=config.tie_word_embeddings, pad_token_id=0)
+    model = LlamaForCausalLM(hf_cfg).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.tie_weights()
+    outputs, t0 = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        outputs += gen[:, width:].tolist()
+    return outputs, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--max-batched-tokens", type=int, default=1024)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    data = json.loads(PROMPTS.read_text())
+    config, weights, tokenizer = load_model_files(None)
+    prompts = [tokenizer.encode(p["text"]) for p in data["prompts"][:args.limit]]
+    expected = [p["n_tokens"] for p in data["prompts"][:args.limit]]
+    mismatched = sum(len(p) != n for p, n in zip(prompts, expected))
+    log.info("%d prompts, %d prompt tokens (%d with a token count differing from the set's), %d threads",
+             len(prompts), sum(map(len, prompts)), mismatched, threads)
+    engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype="float32", device="cpu")
+    ours, wall, hits = run_deepinfer(config, weights, tokenizer, prompts, args.new_tokens, engine_cfg,
+                                     args.profile)
+    n_out = sum(map(len, ours))
+    ours_tps = n_out / wall
+    print(f"deepinfer engine : {n_out} tokens in {wall:7.1f} s = {ours_tps:6.1f} tok/s "
+          f"(prefix-cache hit tokens {hits})")
+    if args.skip_hf:
+        return
+    theirs, hf_wall = run_hf(config, weights, prompts, args.new_tokens, args.hf_batch)
+    hf_tps = sum(map(len, theirs)) / hf_wall
+    same = sum(a == b for a, b in zip(ours, theirs))
+    print(f"HF generate b={args.hf_batch:<3d}: {sum(map(len, theirs))} tokens in {hf_wall:7.1f} s = {hf_tps:6.1f} tok/s")
+    print(f"ratio deepinfer / HF = {ours_tps / hf_tps:.2f}x; identical greedy sequences: {same}/{len(ours)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -89,11 +89,12 @@ def main() -> None:
     torch.set_num_threads(threads)
     data = json.loads(PROMPTS.read_text())
     config, weights, tokenizer = load_model_files(None)
-    prompts = [tokenizer.encode(p["text"]) for p in data["prompts"][:args.limit]]
-    expected = [p["n_tokens"] for p in data["prompts"][:args.limit]]
-    mismatched = sum(len(p) != n for p, n in zip(prompts, expected))
-    log.info("%d prompts, %d prompt tokens (%d with a token count differing from the set's), %d threads",
-             len(prompts), sum(map(len, prompts)), mismatched, threads)
+    # The set's own token ids (what vLLM and HF consumed); our tokenizer splits digits like SmolLM2's
+    # tokenizer.json, while the set was tokenized by transformers' GGUF conversion, which does not.
+    prompts = [p["token_ids"] for p in data["prompts"][:args.limit]]
+    retokenized = sum(tokenizer.encode(p["text"]) != p["token_ids"] for p in data["prompts"][:args.limit])
+    log.info("%d prompts, %d prompt tokens (%d tokenize differently with our tokenizer), %d threads",
+             len(prompts), sum(map(len, prompts)), retokenized, threads)
     engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype="float32", device="cpu")
     ours, wall, hits = run_deepinfer(config, weights, tokenizer, prompts, args.new_tokens, engine_cfg,
                                      args.profile)

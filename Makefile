@@ -17,7 +17,7 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 run: venv
-	$(PY) -m services.cli demo
+	$(PY) -m services.cli up --demo
 
 test: venv
 	./scripts/run_tests.sh $(PY)

@@ -109,6 +109,10 @@ def main() -> None:
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"HF generate b={args.hf_batch:<3d}: {sum(map(len, theirs))} tokens in {hf_wall:7.1f} s = {hf_tps:6.1f} tok/s")
     print(f"ratio deepinfer / HF = {ours_tps / hf_tps:.2f}x; identical greedy sequences: {same}/{len(ours)}")
+    differ = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
+              for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    if differ:
+        print("differing (prompt, first differing position):", differ)
 
 
 if __name__ == "__main__":

@@ -36,22 +36,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt (in-process engine)")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--url", default=None, help="send to a running cluster (nats://...) instead of in-process")
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
-    demo = sub.add_parser("demo", help="load the default model and answer one chat request")
+    demo = sub.add_parser("demo", help="load the default model and answer one chat request in-process")
     _add_engine_args(demo)
+
+    up = sub.add_parser("up", help="start an embedded cluster: nats-server, router, prefill and decode workers")
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
+    up.add_argument("--model", default=None)
+    up.add_argument("--kv-cache-mb", type=int, default=256)
+    up.add_argument("--local-prefill-threshold", type=int, default=64)
+    up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
+    up.add_argument("--exit-after-demo", action="store_true")
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
+    serve.add_argument("service", choices=["router", "prefill", "decode"])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and args.command != "serve":
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.cli_generate import run_demo, run_generate
+    from services.cli_up import run_remote_generate, run_serve, run_up
 
     try:
         if args.command == "generate":
-            return run_generate(args)
+            return run_remote_generate(args) if args.url else run_generate(args)
+        if args.command == "up":
+            return run_up(args)
+        if args.command == "serve":
+            return run_serve(args, extra)
         if args.command == "demo":
             return run_demo(args)
     except DeepinferError as err:

@@ -42,6 +42,7 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.held: dict[str, Request] = {}  # finished hold_kv requests whose blocks are still allocated
         logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
                     mc.model_id, model.device, model.dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -75,7 +76,8 @@ class LLMEngine:
                                  f"the KV cache capacity of {capacity} tokens")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str = "") -> str:
+                    cache_salt: str = "", hold_kv: bool = False) -> str:
+        """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``release_held``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
@@ -84,9 +86,15 @@ class LLMEngine:
                       model_id=self.model.config.model_id, cache_salt=cache_salt)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder()
+        req.hold_kv = hold_kv
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished ``hold_kv`` request (idempotent); hashed ones stay cached."""
+        if self.held.pop(request_id, None) is not None:
+            self.block_manager.free(request_id)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -155,7 +163,10 @@ class LLMEngine:
         return text[:keep], "stop"
 
     def _finish(self, req: Request, reason: str, tokens: list[int] | None = None, text: str = "") -> RequestOutput:
-        self.scheduler.remove(req)
+        hold = req.hold_kv and reason not in ("error", "abort")
+        self.scheduler.remove(req, free_blocks=not hold)
+        if hold:
+            self.held[req.request_id] = req
         self.requests.pop(req.request_id, None)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         st = req.stats

@@ -48,7 +48,7 @@ class RequestStats:
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_id", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes",
-                 "stats", "generator", "output_text", "detokenizer")
+                 "stats", "generator", "output_text", "detokenizer", "hold_kv")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_id: str, cache_salt: str = "") -> None:
@@ -67,6 +67,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.output_text = ""
         self.detokenizer = None  # set by the engine when stop strings or text output are needed
+        self.hold_kv = False  # keep blocks after finishing until released (prefill → decode hand-off)
         self.update_block_hashes()
 
     @property

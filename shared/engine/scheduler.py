@@ -57,13 +57,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks (finish or abort)."""
+    def remove(self, request: Request, free_blocks: bool = True) -> None:
+        """Take a request out of the queues; free its blocks unless the caller holds them for a hand-off."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.bm.free(request.request_id)
+        if free_blocks:
+            self.bm.free(request.request_id)
 
     def _preempt(self, victim: Request) -> None:
         self.bm.free(victim.request_id)

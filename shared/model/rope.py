@@ -1,8 +1,10 @@
 """Rotary position embeddings (NeoX / HF "rotate_half" layout) with the scaling variants of Llama 3,
 linear, static dynamic-NTK and YaRN (Qwen2's long-context option).
 
-The cos/sin table is precomputed once for ``max_position_embeddings`` positions in float64 and cast to the
-model dtype, so every request sees bit-identical rotations regardless of how it is batched.
+The cos/sin table is precomputed once for ``max_position_embeddings`` positions, so every request sees
+bit-identical rotations regardless of how it is batched. Angles are computed the way HF transformers and
+vLLM do (float32 inverse frequencies and products) unless the model runs in float64, so greedy outputs
+match theirs token for token; the scaling adjustments themselves are evaluated in float64.
 """
 from __future__ import annotations
 
@@ -67,10 +69,14 @@ def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.devi
         inv_freq = _default_inv_freq(d, base)
     elif kind == "yarn":
         inv_freq, mscale = _yarn_inv_freq(d, theta, scaling)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-    freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if kind in (None, "default") and angle_dtype == torch.float32:  # HF's exact float32 expression
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    positions = torch.arange(config.max_position_embeddings, dtype=angle_dtype)
+    freqs = torch.outer(positions, inv_freq.to(angle_dtype))  # [P, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-    return (emb.cos() * mscale).to(dtype=dtype, device=device), (emb.sin() * mscale).to(dtype=dtype, device=device)
+    cos, sin = emb.cos() * mscale, emb.sin() * mscale
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

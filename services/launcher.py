@@ -1,0 +1,125 @@
+"""Starting a whole cluster on one machine: embedded nats-server + router + prefill + decode processes.
+
+Used by ``deepinfer up`` and by the integration tests. Invariants: ``start()`` returns only when every
+worker has heartbeated (or raises after its timeout with the failing worker's log tail); ``stop()`` is
+idempotent, SIGTERMs every child, SIGKILLs what is still alive after the grace period, then stops the
+server it started — no orphan processes. CPU threads are split between engine processes so two cores are
+never oversubscribed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import protocol, subjects
+from shared.bus import connect
+from shared.nats_server import EmbeddedNatsServer, start_embedded_server
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterSpec:
+    prefill: int = 1
+    decode: int = 1
+    nats_url: str = ""  # "" = start an embedded nats-server
+    model: str = ""
+    dtype: str = "auto"
+    kv_cache_mb: int = 256
+    transports: str = "shm,stream"
+    local_prefill_threshold: int = 64
+    extra_env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 180.0
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.server: EmbeddedNatsServer | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-logs-"))
+        self.nats_url = spec.nats_url
+
+    def _spawn(self, name: str, module: str, args: list[str], threads: int) -> None:
+        env = {**os.environ, **self.spec.extra_env, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
+                                            stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
+        log.close()
+
+    def spawn_worker(self, role: str, index: int) -> str:
+        s = self.spec
+        name = f"{role}-{index}"
+        engines = max(1, s.prefill + s.decode)
+        threads = max(1, len(os.sched_getaffinity(0)) // engines)
+        self._spawn(name, f"services.{role}", ["--nats-url", self.nats_url, "--worker-id", name,
+                                               "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
+                                               "--transports", s.transports, "--dtype", s.dtype,
+                                               *(["--model", s.model] if s.model else [])], threads)
+        return name
+
+    async def start(self) -> None:
+        s = self.spec
+        if not self.nats_url:
+            self.server = start_embedded_server()
+            self.nats_url = self.server.url
+        self._spawn("router", "services.router", ["--nats-url", self.nats_url, "--worker-id", "router",
+                                                  "--local-prefill-threshold", str(s.local_prefill_threshold),
+                                                  *(["--model", s.model] if s.model else [])], 1)
+        names = ["router"] + [self.spawn_worker("prefill", i) for i in range(s.prefill)] + \
+            [self.spawn_worker("decode", i) for i in range(s.decode)]
+        await self.wait_healthy(names, s.start_timeout_s)
+
+    async def wait_healthy(self, names: list[str], timeout: float) -> None:
+        nc = await connect(self.nats_url, "launcher")
+        seen: set[str] = set()
+
+        async def on_load(msg) -> None:
+            seen.add(protocol.decode(msg.data, protocol.LoadReport).worker_id)
+
+        sub = await nc.subscribe(subjects.LOAD_ALL, cb=on_load)
+        deadline = time.monotonic() + timeout
+        try:
+            while not set(names) <= seen:
+                for name in names:
+                    proc = self.procs[name]
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(names) - seen)
+                    raise RuntimeError(f"not healthy after {timeout:.0f} s: {missing}\n{self.log_tail(missing[0])}")
+                await asyncio.sleep(0.2)
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+
+    def log_tail(self, name: str, n: int = 3000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault injection)."""
+        self.procs[name].kill()
+        self.procs[name].wait(10)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM; killing", name)
+                proc.kill()
+                proc.wait(5)
+        if self.server is not None:
+            self.server.stop()

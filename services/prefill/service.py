@@ -1,0 +1,89 @@
+"""Prefill worker: computes a prompt's KV (reusing its own prefix cache), samples the first token, streams
+it to the client, hands the KV blocks to the decode worker named in the request, then frees them.
+
+Invariant: the request's blocks are held from the first token until the hand-off is acknowledged, failed or
+timed out — then released on this side (hashed blocks stay in the prefix cache) and the transport staging is
+freed. A failed hand-off ends the request with a ``transfer_failed`` final chunk: never a hang, never a leak.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from shared import protocol, subjects
+from shared.engine.kv_handoff import block_shape, export_kv
+from shared.errors import DeepinferError, ErrorCode
+from services.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillService(Worker):
+    async def serve_handlers(self) -> None:
+        await self.runtime.serve(subjects.prefill(self.config.worker_id), self.on_prefill)
+
+    async def on_prefill(self, msg) -> None:
+        req = protocol.decode(msg.data, protocol.PrefillRequest)
+        params = protocol.sampling_from_dict(req.sampling)
+        if req.transport not in self.transports:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
+        self.engine.validate(req.prompt_token_ids, params)
+        await msg.respond(protocol.encode(protocol.Ack()))
+        rid = req.request_id
+        self.track(rid)
+        try:
+            await asyncio.wait_for(self._prefill(req, params), timeout=max(req.deadline_s, 0.1))
+        except asyncio.TimeoutError:
+            await self._fail(req, DeepinferError(ErrorCode.TIMEOUT, "prefill or KV hand-off timed out"))
+        except DeepinferError as err:
+            await self._fail(req, err)
+        finally:
+            self.untrack(rid)
+            await self.aengine.call(lambda: self.engine.release_held(rid))
+
+    async def _prefill(self, req: protocol.PrefillRequest, params) -> None:
+        rid, eng = req.request_id, self.engine
+        t0 = time.perf_counter()
+        one = dataclasses.replace(params, max_tokens=1)
+        outs = [o async for o in self.aengine.run(
+            rid, lambda: eng.add_request(req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), 2)]
+        final = outs[-1]
+        if final.finish_reason not in ("length", "stop"):
+            raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
+        first = final.new_token_ids[0]
+        is_stop = (first in eng.eos_token_ids and not params.ignore_eos) or first in params.stop_token_ids
+        if is_stop or params.max_tokens == 1 or final.finish_reason == "stop":
+            final.finish_reason = "stop" if is_stop or final.finish_reason == "stop" else "length"
+            await self.publish_output(req.reply_to, 0, final)
+            return
+        first_chunk = dataclasses.replace(final, finished=False, finish_reason=None)
+        await self.publish_output(req.reply_to, 0, first_chunk)
+        kv = await self.aengine.call(lambda: export_kv(eng, rid))  # [n, L, 2, bs, kvh, D]
+        await self.aengine.call(lambda: eng.release_held(rid))
+        transport = self.transports[req.transport]
+        handle = await transport.stage(kv, rid)
+        try:
+            handoff = protocol.KVHandoff(
+                request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=first, sampling=req.sampling,
+                reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=kv.shape[0],
+                block_shape=block_shape(eng), dtype=str(kv.dtype).removeprefix("torch."),
+                transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
+                ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id)
+            try:
+                reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
+                                              timeout=self.config.handoff_timeout_s)
+            except Exception as err:  # timeout, no responders, connection loss
+                raise DeepinferError(ErrorCode.TRANSFER_FAILED,
+                                     f"decode worker {req.decode_worker} did not take the KV: {err!r}") from None
+            answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
+            if isinstance(answer, protocol.ErrorReply):
+                raise answer.to_exception()
+        finally:
+            await transport.release(rid)
+
+    async def _fail(self, req: protocol.PrefillRequest, err: DeepinferError) -> None:
+        logger.warning("[%s] prefill failed: %s", req.request_id, err)
+        chunk = protocol.TokenChunk.from_error(req.request_id, 1, err)
+        await self.nc.publish(req.reply_to, protocol.encode(chunk))

@@ -1,0 +1,16 @@
+"""``python -m services.router [--flags]``: run the router (NATS API ``di.v1.generate``)."""
+import asyncio
+import logging
+import sys
+
+from services.router.service import RouterService
+from shared.config import RouterConfig, load_config
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(RouterService(load_config(RouterConfig, argv if argv is not None else sys.argv[1:])).run_forever())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Router: the NATS request API ``di.v1.generate``.
+
+Per request: validate and tokenize; pick a decode worker and (unless the prompt is short or the client asked
+for local prefill) a prefill worker and a KV transport; dispatch; relay the workers' token chunks to the
+client's reply subject with one gap-free sequence numbering; enforce the request's timeout; fail with
+``worker_lost`` when a worker serving it stops heartbeating; stop the workers when the client cancels
+(``di.v1.cancel``) or the request ends early. Every reply on the client's subject is a ``TokenChunk``; the
+last one has ``final=True`` and either usage or an error. Undecodable requests get an ``ErrorReply``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+import uuid
+
+from shared import protocol, subjects
+from shared.bus import ServiceRuntime, connect
+from shared.config import RouterConfig
+from shared.errors import DeepinferError, ErrorCode, invalid
+from services.router.tokenize import load_tokenizer, prompt_token_ids
+from services.router.workers import WorkerTable, choose_transport
+
+logger = logging.getLogger(__name__)
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.table = WorkerTable(config.worker_dead_after_s)
+        self.tokenizer = None
+        self.nc = None
+        self.runtime: ServiceRuntime | None = None
+        self.relays: dict[str, asyncio.Task] = {}
+        self.next_seq: dict[str, int] = {}  # per in-flight request: the seq of the next chunk to the client
+
+    async def start(self) -> None:
+        c = self.config
+        logger.info("starting %s with %s", c.worker_id, c)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
+        self.nc = await connect(c.nats_url, c.worker_id)
+        await self.nc.subscribe(subjects.LOAD_ALL, cb=self.on_load)
+        info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
+                                   pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
+        self.runtime = ServiceRuntime(self.nc, info)
+        await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
+        await self.runtime.serve(subjects.CANCEL, self.on_cancel)
+        self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
+                                              "num_free_blocks": 0, "num_total_blocks": 0})
+
+    async def on_load(self, msg) -> None:
+        try:
+            self.table.update(protocol.decode(msg.data, protocol.LoadReport))
+        except DeepinferError as err:
+            logger.warning("bad heartbeat: %s", err)
+
+    async def on_cancel(self, msg) -> None:
+        task = self.relays.get(protocol.decode(msg.data, protocol.CancelRequest).request_id)
+        if task is not None:
+            task.cancel()
+
+    async def on_generate(self, msg) -> None:
+        if not msg.reply:
+            raise invalid("generate needs a reply subject (use a NATS request or an inbox)")
+        req = protocol.decode(msg.data, protocol.GenerateRequest)  # errors → ErrorReply via the runtime
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self.relays:
+            raise invalid(f"request id {rid!r} is already in flight")
+        self.relays[rid] = asyncio.current_task()
+        self.next_seq[rid] = 0
+        try:
+            await self._serve(req, rid, msg.reply)
+        except (DeepinferError, asyncio.CancelledError) as exc:
+            err = exc if isinstance(exc, DeepinferError) else DeepinferError(ErrorCode.CANCELLED, "cancelled")
+            chunk = protocol.TokenChunk.from_error(rid, self.next_seq[rid], err)
+            await self.nc.publish(msg.reply, protocol.encode(chunk))
+        finally:
+            self.relays.pop(rid, None)
+            self.next_seq.pop(rid, None)
+
+    def _check_model(self, model: str) -> None:
+        served = {s.report.model_id for s in self.table.workers.values() if s.report.model_id}
+        if model and model not in served and model != "default":
+            raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here "
+                                 f"(serving: {sorted(served) or 'nothing yet'})")
+
+    async def _serve(self, req: protocol.GenerateRequest, rid: str, client: str) -> None:
+        if len(self.relays) > self.config.max_inflight:
+            raise DeepinferError(ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")
+        self._check_model(req.model)
+        params = req.sampling_params()
+        prompt = prompt_token_ids(self.tokenizer, req)
+        deadline = time.monotonic() + req.timeout_s
+        decode_w = self.table.pick_decode()
+        if decode_w is None:
+            raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
+        prefill_w, transport = None, None
+        if req.prefill_mode == "remote" or (req.prefill_mode == "auto"
+                                            and len(prompt) > self.config.local_prefill_threshold):
+            prefill_w = self.table.pick_prefill()
+            if prefill_w is not None:
+                transport = choose_transport(prefill_w.report, decode_w.report, req.transport)
+            if transport is None and (req.prefill_mode == "remote" or req.transport):
+                raise DeepinferError(ErrorCode.UNAVAILABLE, "no prefill worker / common KV transport for "
+                                     f"mode={req.prefill_mode} transport={req.transport or 'any'}")
+            if transport is None:
+                prefill_w = None
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
+        placed = [w for w in (prefill_w, decode_w) if w is not None]
+        for w in placed:
+            w.inflight += 1
+        finished = False
+        try:
+            sampling = protocol.sampling_to_dict(params)
+            if prefill_w is not None:
+                target = subjects.prefill(prefill_w.report.worker_id)
+                work = protocol.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                               decode_worker=decode_w.report.worker_id, transport=transport,
+                                               reply_to=inbox, cache_salt=req.cache_salt,
+                                               deadline_s=deadline - time.monotonic())
+            else:
+                target = subjects.decode(decode_w.report.worker_id)
+                work = protocol.DecodeLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                   reply_to=inbox, cache_salt=req.cache_salt)
+            await self._dispatch(target, work)
+            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w)
+        finally:
+            for w in placed:
+                w.inflight -= 1
+            await sub.unsubscribe()
+            if not finished:  # stop whatever the workers are still doing for this request
+                await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=rid)))
+
+    async def _dispatch(self, subject: str, work) -> None:
+        try:
+            reply = await self.nc.request(subject, protocol.encode(work), timeout=self.config.dispatch_timeout_s)
+        except Exception as err:  # timeout, no responders
+            raise DeepinferError(ErrorCode.UNAVAILABLE, f"worker on {subject} did not accept: {err!r}") from None
+        answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
+        if isinstance(answer, protocol.ErrorReply):
+            raise answer.to_exception()
+
+    async def _relay(self, sub, rid, client, deadline, prefill_w, decode_w) -> bool:
+        t0, ttft = time.monotonic(), None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeepinferError(ErrorCode.TIMEOUT, "request timed out")
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                watched = [decode_w] + ([prefill_w] if prefill_w is not None and self.next_seq[rid] <= 1 else [])
+                for w in watched:
+                    if not self.table.is_alive(w.report.worker_id):
+                        raise DeepinferError(ErrorCode.WORKER_LOST,
+                                             f"worker {w.report.worker_id} stopped responding") from None
+                continue
+            chunk = protocol.decode(msg.data, protocol.TokenChunk)
+            if ttft is None and chunk.token_ids:
+                ttft = time.monotonic() - t0
+            usage = chunk.usage
+            if chunk.final and usage is not None:
+                usage = {**usage, "ttft_ms": (ttft or 0.0) * 1000.0}
+            out = dataclasses.replace(chunk, request_id=rid, seq=self.next_seq[rid], usage=usage)
+            await self.nc.publish(client, protocol.encode(out))
+            self.next_seq[rid] += 1
+            if chunk.final:
+                return chunk.error is None
+
+    async def run_forever(self) -> None:
+        await self.start()
+        self.runtime.install_signal_handlers()
+        await self.runtime.stopped.wait()

@@ -1,0 +1,62 @@
+"""The router's live view of workers, fed by heartbeats on ``di.v1.load.*``, and load-based placement.
+
+A worker is alive while its last heartbeat is younger than ``dead_after_s``. Placement here is by load
+only (cache-aware policies arrive with the scheduling layer): prefill → fewest queued + running requests;
+decode → most free KV blocks, then fewest running. Ties break by worker id, so placement is deterministic.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared import protocol
+
+
+@dataclass(slots=True)
+class WorkerState:
+    report: protocol.LoadReport
+    last_seen: float
+    inflight: int = 0  # requests this router placed there that have not finished yet
+
+
+class WorkerTable:
+    def __init__(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+        self.workers: dict[str, WorkerState] = {}
+
+    def update(self, report: protocol.LoadReport, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        state = self.workers.get(report.worker_id)
+        if state is None:
+            self.workers[report.worker_id] = WorkerState(report, now)
+        else:
+            state.report, state.last_seen = report, now
+
+    def is_alive(self, worker_id: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        state = self.workers.get(worker_id)
+        return state is not None and now - state.last_seen < self.dead_after_s
+
+    def alive(self, role: str, now: float | None = None) -> list[WorkerState]:
+        now = time.monotonic() if now is None else now
+        return [s for s in self.workers.values()
+                if s.report.role == role and now - s.last_seen < self.dead_after_s]
+
+    def pick_prefill(self) -> WorkerState | None:
+        return min(self.alive("prefill"), default=None,
+                   key=lambda s: (s.report.num_waiting + s.report.num_running + s.inflight, s.report.worker_id))
+
+    def pick_decode(self) -> WorkerState | None:
+        return min(self.alive("decode"), default=None,
+                   key=lambda s: (s.inflight + s.report.num_running, -s.report.num_free_blocks, s.report.worker_id))
+
+
+def choose_transport(prefill: protocol.LoadReport, decode: protocol.LoadReport, forced: str = "") -> str | None:
+    """The KV transport for a worker pair: the forced one if both offer it; else shared memory on one host,
+    else the first transport both offer (in the prefill worker's preference order)."""
+    common = [t for t in prefill.transports if t in decode.transports]
+    if forced:
+        return forced if forced in common else None
+    if prefill.host != decode.host:
+        common = [t for t in common if t not in ("shm", "cuda_ipc")]
+    return common[0] if common else None

@@ -1,0 +1,137 @@
+"""Runs an ``LLMEngine`` on its own thread and exposes it to asyncio.
+
+The engine is not thread-safe, so every mutation (add, abort, import, export, release) is a command executed
+on the engine thread between steps. Commands go through a bounded queue: when it is full, callers get an
+``overloaded`` error instead of unbounded buffering. Each request's outputs go to a per-request asyncio queue
+bounded by its ``max_tokens`` (one output per token at most).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import RequestOutput
+from shared.errors import DeepinferError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_pending_commands: int = 1024) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue(
+            max_pending_commands)
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the engine thread (idempotent). Unfinished requests are aborted."""
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping.is_set():
+            try:
+                fn, fut = self._commands.get(timeout=0.02) if not eng.has_unfinished() else \
+                    self._commands.get_nowait()
+            except queue.Empty:
+                fn = None
+            if fn is not None:
+                self._execute(fn, fut)
+                while True:  # apply every queued command before the next step
+                    try:
+                        fn, fut = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._execute(fn, fut)
+            if eng.has_unfinished():
+                outputs = eng.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as err:  # delivered to the awaiting coroutine
+            fut.set_exception(err)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result (or raise its error)."""
+        if self._thread is None:
+            raise DeepinferError(ErrorCode.UNAVAILABLE, "engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._commands.put_nowait((fn, fut))
+        except queue.Full:
+            raise DeepinferError(ErrorCode.OVERLOADED, "engine command queue is full") from None
+        return await asyncio.wrap_future(fut)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def open_stream(self, request_id: str, max_outputs: int) -> asyncio.Queue[RequestOutput]:
+        if request_id in self._streams:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id!r}")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue(max_outputs + 1)
+        self._streams[request_id] = stream
+        return stream
+
+    async def run(self, request_id: str, submit: Callable[[], Any], max_outputs: int,
+                  on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request via ``submit`` (executed on the engine thread), await ``on_admitted`` once it is
+        in the engine, then yield its outputs until the final one. If the consumer stops early (cancel,
+        disconnect), the request is aborted."""
+        stream = self.open_stream(request_id, max_outputs)
+        finished = False
+        try:
+            await self.call(submit)
+            if on_admitted is not None:
+                await on_admitted()
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._thread is not None:
+                try:
+                    await self.call(lambda: self.engine.abort(request_id))
+                except DeepinferError:
+                    logger.warning("could not abort %s", request_id)
+
+    def load(self) -> dict[str, float]:
+        """Racy-but-safe snapshot of load metrics (reads only ints/floats)."""
+        eng = self.engine
+        bm = eng.block_manager
+        return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
+                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks}

@@ -1,0 +1,225 @@
+"""KV transfer transports: one interface, several ways to move a prefill worker's KV blocks to a decode worker.
+
+The sender gathers a request's blocks into one contiguous CPU tensor
+``payload = kv_cache[block_ids]`` of shape [n, L, 2, bs, kvh, D] and calls ``stage(payload, transfer_id)``;
+the returned ``handle`` (a msgpack-able dict) travels in the hand-off header; the receiver calls
+``fetch(handle)`` and gets an identical tensor (same dtype, shape, bytes). Once the receiver acked, or the
+hand-off failed or timed out, the sender calls ``release(transfer_id)``.
+
+Invariants (every transport):
+- Handles hold only str/int/float/bytes/list/dict and always carry ``transport``, ``dtype`` (e.g.
+  ``"float16"``), ``shape`` (list[int]) and ``nbytes``.
+- Every wait is bounded: ``fetch`` fails within ``timeout`` seconds, staging waits at most
+  ``stage_timeout`` for room; failures raise ``DeepinferError(ErrorCode.TRANSFER_FAILED, ...)``.
+- Sender staging is bounded by ``max_staged_bytes``; a payload larger than the bound fails at once.
+- ``release`` is idempotent and frees the staging of that transfer; ``close`` releases everything.
+- The payload must not be modified between ``stage`` and ``release`` (zero-copy transports read it late).
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from shared.errors import DeepinferError, ErrorCode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_STAGED_BYTES = 1 << 30   # 1 GiB of sender staging per transport instance
+DEFAULT_STAGE_TIMEOUT = 5.0          # seconds stage() waits for staging room before TRANSFER_FAILED
+
+
+def transfer_failed(message: str) -> DeepinferError:
+    return DeepinferError(ErrorCode.TRANSFER_FAILED, message)
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
+                 "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"`` (the wire name used in handles)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise transfer_failed(f"unsupported KV dtype {dtype}")
+    return name
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise transfer_failed(f"unknown dtype {name!r} in KV handle") from None
+
+
+def check_payload(payload: torch.Tensor) -> torch.Tensor:
+    """Validate a payload for staging; returns it as a contiguous CPU tensor (copying only if needed)."""
+    if not isinstance(payload, torch.Tensor):
+        raise transfer_failed(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+    dtype_name(payload.dtype)
+    if payload.device.type != "cpu":
+        payload = payload.to("cpu")
+    return payload.contiguous()
+
+
+def handle_meta(handle: dict) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, nbytes) from a handle, validated against each other."""
+    if not isinstance(handle, dict):
+        raise transfer_failed(f"KV handle must be a dict, got {type(handle).__name__}")
+    try:
+        dtype = parse_dtype(handle["dtype"])
+        shape = [int(s) for s in handle["shape"]]
+        nbytes = int(handle["nbytes"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise transfer_failed(f"malformed KV handle: {exc!r}") from None
+    numel = 1
+    for s in shape:
+        if s < 0:
+            raise transfer_failed(f"negative dimension in KV handle shape {shape}")
+        numel *= s
+    expect = numel * torch.empty((), dtype=dtype).element_size()
+    if expect != nbytes:
+        raise transfer_failed(f"KV handle nbytes {nbytes} != {expect} for {handle['dtype']}{shape}")
+    return dtype, shape, nbytes
+
+
+def output_tensor(handle: dict, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor ``fetch`` fills: ``out`` when it matches the handle (dtype, shape, contiguous CPU), else new."""
+    dtype, shape, _ = handle_meta(handle)
+    if out is not None:
+        if out.dtype == dtype and list(out.shape) == shape and out.is_contiguous() and out.device.type == "cpu":
+            return out
+        log.debug("fetch: out %s%s does not match handle %s%s; allocating", out.dtype, list(out.shape), dtype, shape)
+    return torch.empty(shape, dtype=dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor (no copy). [*] -> [nbytes]"""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class StagingBudget:
+    """Bytes currently staged by one sender, bounded by ``max_bytes``; ``acquire`` waits up to ``timeout``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self.used = 0
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def acquire(self, nbytes: int, timeout: float) -> None:
+        if nbytes > self.max_bytes:
+            raise transfer_failed(f"payload of {nbytes} B exceeds max_staged_bytes={self.max_bytes}")
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self.used + nbytes <= self.max_bytes), timeout)
+            except asyncio.TimeoutError:
+                raise transfer_failed(f"staging full: {self.used} of {self.max_bytes} B in use, "
+                                      f"{nbytes} B more did not fit within {timeout:.1f} s") from None
+            self.used += nbytes
+
+    async def release(self, nbytes: int) -> None:
+        cond = self._condition()
+        async with cond:
+            self.used = max(0, self.used - nbytes)
+            cond.notify_all()
+
+
+class KVTransport(abc.ABC):
+    """Moves one contiguous KV payload from a sender (``stage``/``release``) to a receiver (``fetch``).
+
+    One instance per worker may act as sender and receiver at once. Subclasses keep per-transfer state keyed
+    by ``transfer_id``; ids must be unique among a sender's live transfers.
+    """
+
+    name: str = "?"
+
+    def __init__(self, nc: Any, worker_id: str, *, max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+                 stage_timeout: float = DEFAULT_STAGE_TIMEOUT) -> None:
+        self.nc = nc
+        self.worker_id = worker_id
+        self.stage_timeout = stage_timeout
+        self.budget = StagingBudget(max_staged_bytes)
+        self.closed = False
+
+    @property
+    def staged_bytes(self) -> int:
+        """Payload bytes staged and not yet released."""
+        return self.budget.used
+
+    @abc.abstractmethod
+    async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
+        """Sender: make ``payload`` ([n, L, 2, bs, kvh, D], any shape) fetchable; return its handle."""
+
+    @abc.abstractmethod
+    async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
+        """Receiver: the staged tensor (dtype/shape from the handle); filled into ``out`` when it matches."""
+
+    @abc.abstractmethod
+    async def release(self, transfer_id: str) -> None:
+        """Sender: free the staging of ``transfer_id``. Idempotent; unknown ids are ignored."""
+
+    async def close(self) -> None:
+        """Release everything this instance staged and drop receiver-side caches. Idempotent."""
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise transfer_failed(f"{self.name} transport of {self.worker_id} is closed")
+
+
+def deadline_left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _shm_factory() -> Callable[..., KVTransport]:
+    from shared.kv.transport_shm import ShmTransport
+    return ShmTransport
+
+
+def _stream_factory() -> Callable[..., KVTransport]:
+    from shared.kv.transport_stream import StreamTransport
+    return StreamTransport
+
+
+def _nixl_factory() -> Callable[..., KVTransport]:
+    from shared.kv.transport_nixl import NixlTransport
+    return NixlTransport
+
+
+_FACTORIES: dict[str, Callable[[], Callable[..., KVTransport]]] = {
+    "shm": _shm_factory, "stream": _stream_factory, "nixl": _nixl_factory,
+}
+
+
+def available_transports() -> list[str]:
+    """Transports usable in this process: ``shm`` and ``stream`` always, ``nixl`` when its library imports."""
+    names = ["shm", "stream"]
+    from shared.kv import transport_nixl
+    if transport_nixl.nixl_available():
+        names.append("nixl")
+    return names
+
+
+def make_transport(name: str, nc: Any, worker_id: str, **kwargs: Any) -> KVTransport:
+    """Build transport ``name`` for ``worker_id`` on NATS connection ``nc`` (kwargs: transport options)."""
+    if name not in _FACTORIES:
+        raise DeepinferError(ErrorCode.INVALID_REQUEST,
+                             f"unknown KV transport {name!r}; known: {sorted(_FACTORIES)}")
+    if name not in available_transports():
+        raise transfer_failed(f"KV transport {name!r} is not available here "
+                              f"(available: {available_transports()})")
+    return _FACTORIES[name]()(nc, worker_id, **kwargs)

@@ -1,0 +1,238 @@
+"""``shm`` KV transport (same host): the payload is copied into a POSIX shared-memory segment from a pool.
+
+Segment layout: [HEADER_BYTES header | capacity payload bytes]; header = uint64[3] (magic, token, nbytes).
+Handle: {"transport": "shm", "segment": name, "token": int, "offset": HEADER_BYTES, "nbytes", "dtype", "shape"}.
+
+Invariants:
+- Segments are created, pre-touched (zero-filled, so no transfer pays first-touch page faults) and unlinked
+  only by the sender (pool trim or ``close``). The receiver maps them with ``shm_open`` + ``mmap`` and never
+  registers them with ``multiprocessing.resource_tracker``: it can neither unlink nor "leak-warn" them.
+- Capacities are powers of two (>= ``min_segment_bytes``); free segments are reused by size class, and
+  the free pool is trimmed to ``max_pool_bytes``.
+- ``stage`` writes the token into the header after the payload; ``release`` zeroes it before the segment
+  returns to the pool. The receiver checks the token before and after copying, so a released or reused
+  segment fails with TRANSFER_FAILED instead of yielding someone else's bytes.
+- Receiver mappings are cached (LRU, ``max_attached`` segments) and unmapped on eviction or ``close``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import secrets
+from collections import OrderedDict
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, output_tensor,
+                                 transfer_failed)
+
+try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096             # one page: payload stays page-aligned
+MAGIC = 0x4B56534D44494E46      # "KVSMDINF"
+THREAD_COPY_BYTES = 4 << 20     # copies at least this big run in a worker thread (torch copy drops the GIL)
+
+
+def size_class(nbytes: int, minimum: int) -> int:
+    """Smallest power of two >= max(nbytes, minimum)."""
+    n = max(nbytes, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for flat uint8 tensors; big copies off the event loop."""
+    if dst.numel() >= THREAD_COPY_BYTES:
+        await asyncio.to_thread(dst.copy_, src)
+    else:
+        dst.copy_(src)
+
+
+class _Segment:
+    """A sender-owned segment. ``header``: uint64[3] view; ``data``: uint8 [capacity] view."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.shm = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + capacity)
+        self.name = self.shm.name
+        self.header = np.frombuffer(self.shm.buf, dtype=np.uint64, count=3)
+        self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=capacity, offset=HEADER_BYTES)
+        self.data.zero_()                      # pre-touch every page now, not during a transfer
+        self.header[:] = (MAGIC, 0, 0)
+
+    def destroy(self) -> None:
+        del self.header, self.data             # drop buffer exports, or close() raises BufferError
+        try:
+            self.shm.close()
+        finally:
+            self.shm.unlink()
+
+
+class _Mapping:
+    """A receiver-side mapping of someone else's segment (not tracked, never unlinked here)."""
+
+    def __init__(self, name: str) -> None:
+        if _posixshmem is None:  # pragma: no cover
+            raise transfer_failed("shm transport needs POSIX shared memory")
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        except FileNotFoundError:
+            raise transfer_failed(f"shm segment {name!r} does not exist (released or sender gone)") from None
+        except OSError as exc:
+            raise transfer_failed(f"cannot open shm segment {name!r}: {exc}") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size < HEADER_BYTES:
+                raise transfer_failed(f"shm segment {name!r} is too small ({self.size} B)")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)   # prefault our page tables once
+            self.mm = mmap.mmap(fd, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.header = np.frombuffer(self.mm, dtype=np.uint64, count=3)
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.size - HEADER_BYTES,
+                                     offset=HEADER_BYTES)
+
+    def close(self) -> None:
+        del self.header, self.data
+        self.mm.close()
+
+
+class ShmTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, nc, worker_id: str, *, min_segment_bytes: int = 256 << 10, max_pool_bytes: int | None = None,
+                 max_attached: int = 16, **kwargs) -> None:
+        super().__init__(nc, worker_id, **kwargs)
+        self.min_segment_bytes = min_segment_bytes
+        self.max_pool_bytes = self.budget.max_bytes if max_pool_bytes is None else max_pool_bytes
+        self.max_attached = max_attached
+        self._free: dict[int, list[_Segment]] = {}          # capacity -> free segments
+        self._staged: dict[str, tuple[_Segment, int]] = {}  # transfer_id -> (segment, nbytes)
+        self._attached: OrderedDict[str, _Mapping] = OrderedDict()
+
+    # ---------------------------------------------------------------- sender
+    def pool_stats(self) -> dict:
+        """Sender accounting: staged transfers/bytes, free segments and their capacity."""
+        free = [s for segs in self._free.values() for s in segs]
+        return {"staged": len(self._staged), "staged_bytes": self.staged_bytes, "free_segments": len(free),
+                "free_bytes": sum(s.capacity for s in free),
+                "staged_capacity": sum(s.capacity for s, _ in self._staged.values())}
+
+    def warm(self, nbytes: int, count: int = 1) -> None:
+        """Pre-create ``count`` free segments able to hold ``nbytes`` (e.g. at worker start)."""
+        cap = size_class(nbytes, self.min_segment_bytes)
+        for _ in range(count):
+            self._put_free(_Segment(cap))
+
+    def _take_segment(self, nbytes: int) -> _Segment:
+        cap = size_class(nbytes, self.min_segment_bytes)
+        for c in sorted(k for k in self._free if cap <= k <= 4 * cap):   # exact class, else a slightly larger one
+            if self._free[c]:
+                return self._free[c].pop()
+        log.debug("shm: new segment of %d B for %d B payload", cap, nbytes)
+        return _Segment(cap)
+
+    def _put_free(self, seg: _Segment) -> None:
+        if self.pool_stats()["free_bytes"] + seg.capacity > self.max_pool_bytes or self.closed:
+            seg.destroy()
+        else:
+            self._free.setdefault(seg.capacity, []).append(seg)
+
+    async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
+        self._check_open()
+        payload = check_payload(payload)                      # [n, L, 2, bs, kvh, D] contiguous CPU
+        if transfer_id in self._staged:
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        nbytes = payload.numel() * payload.element_size()
+        await self.budget.acquire(nbytes, self.stage_timeout)
+        try:
+            seg = self._take_segment(nbytes)
+        except Exception as exc:
+            await self.budget.release(nbytes)
+            raise transfer_failed(f"cannot create shm segment for {nbytes} B: {exc}") from exc
+        self._staged[transfer_id] = (seg, nbytes)
+        try:
+            await _copy(seg.data[:nbytes], as_bytes(payload))
+        except BaseException:
+            await self.release(transfer_id)
+            raise
+        token = secrets.randbits(63) | 1
+        seg.header[2] = nbytes
+        seg.header[1] = token                                 # publish only after the bytes are in place
+        return {"transport": self.name, "segment": seg.name, "token": token, "offset": HEADER_BYTES,
+                "nbytes": nbytes, "dtype": dtype_name(payload.dtype), "shape": list(payload.shape)}
+
+    async def release(self, transfer_id: str) -> None:
+        entry = self._staged.pop(transfer_id, None)
+        if entry is None:
+            return
+        seg, nbytes = entry
+        seg.header[1] = 0                                     # invalidate outstanding handles first
+        self._put_free(seg)
+        await self.budget.release(nbytes)
+
+    # ---------------------------------------------------------------- receiver
+    def _mapping(self, name: str) -> _Mapping:
+        m = self._attached.get(name)
+        if m is not None:
+            self._attached.move_to_end(name)
+            return m
+        m = _Mapping(name)
+        self._attached[name] = m
+        while len(self._attached) > self.max_attached:
+            _, old = self._attached.popitem(last=False)
+            old.close()
+        return m
+
+    def _detach(self, name: str) -> None:
+        m = self._attached.pop(name, None)
+        if m is not None:
+            m.close()
+
+    async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
+        """Copy the staged bytes out of the sender's segment. Local memory only: bounded by the copy itself."""
+        self._check_open()
+        result = output_tensor(handle, out)                   # validates dtype/shape/nbytes
+        nbytes = int(handle["nbytes"])
+        if nbytes == 0:
+            return result
+        try:
+            name, token, offset = str(handle["segment"]), int(handle["token"]), int(handle["offset"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise transfer_failed(f"malformed shm handle: {exc!r}") from None
+        if offset != HEADER_BYTES:
+            raise transfer_failed(f"shm handle offset {offset} != {HEADER_BYTES} (version mismatch?)")
+        m = self._mapping(name)
+        if int(m.header[0]) != MAGIC or int(m.header[1]) != token or int(m.header[2]) != nbytes:
+            self._detach(name)  # a stale mapping of a recycled name must not linger
+            raise transfer_failed(f"shm segment {name!r} no longer holds transfer token {token} "
+                                  "(released, reused or not a deepinfer segment)")
+        if m.data.numel() < nbytes:
+            raise transfer_failed(f"shm segment {name!r} holds {m.data.numel()} B < {nbytes} B")
+        await _copy(as_bytes(result), m.data[:nbytes])
+        if int(m.header[1]) != token:
+            raise transfer_failed(f"shm segment {name!r} was released while it was being read")
+        return result
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for tid in list(self._staged):
+            seg, nbytes = self._staged.pop(tid)
+            seg.destroy()
+            await self.budget.release(nbytes)
+        for segs in self._free.values():
+            for seg in segs:
+                seg.destroy()
+        self._free.clear()
+        for name in list(self._attached):
+            self._detach(name)

@@ -1,0 +1,398 @@
+"""Every wire message of deepinfer: frozen, validated dataclasses <-> msgpack bytes.
+
+Wire format: one msgpack map ``{"v": PROTOCOL_VERSION, "type": <class name>, <field>: <value>, ...}``.
+Messages are keyword-only, validated on construction (types by annotation, see ``shared.wire_validation``,
+then each message's ``_check``), so an object that exists is valid and ``decode`` only returns valid objects.
+
+``decode`` raises only ``DeepinferError``: ``invalid_request`` for garbage, unknown/unexpected type,
+missing/mistyped/unknown fields; ``unsupported_version`` for a missing or wrong ``v``; ``payload_too_large``
+over the per-type byte limit. ``encode`` enforces the same byte limits, so a sender learns first.
+
+Errors over NATS: a service answers a failed request with ``encode(ErrorReply.from_exception(err))`` as the
+body and ``error_headers(err)`` as headers; callers use ``decode_reply`` to get the message or the raised
+error. On a token stream the error is instead a final ``TokenChunk.from_error(...)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+from shared import subjects
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, compile_type, decode,
+                                    encode, registered_types, wire_field, wire_message)
+
+__all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
+           "encode", "decode", "decode_reply", "error_headers", "sampling_to_dict", "sampling_from_dict",
+           "GenerateRequest", "TokenChunk", "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest",
+           "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "MESSAGE_TYPES"]
+
+MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
+MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
+MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entries
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_CHAT_MESSAGES = 1000
+MAX_ID_LEN = 256
+
+ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
+PREFILL_MODES = ("auto", "remote", "local")
+KV_EVENT_KINDS = ("stored", "removed", "cleared")
+DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+          "int64", "int32", "int16", "int8", "uint8")
+
+T = TypeVar("T")
+
+
+# ---- shared field rules --------------------------------------------------------------------------------
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise invalid(message)
+
+
+def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
+    _require(len(value) <= MAX_ID_LEN, f"field {name!r}: longer than {MAX_ID_LEN} characters")
+    _require(allow_empty or bool(value), f"field {name!r}: must not be empty")
+
+
+def _check_tokens(name: str, ids: list[int], allow_empty: bool = False) -> None:
+    _require(allow_empty or bool(ids), f"field {name!r}: must not be empty")
+    _require(not ids or min(ids) >= 0, f"field {name!r}: token ids must be non-negative")
+
+
+def _check_worker(name: str, value: str) -> None:
+    try:
+        subjects.validate_token(value, name)
+    except ValueError as err:
+        raise invalid(f"field {name!r}: {err}") from None
+
+
+def _check_subject(name: str, value: str) -> None:
+    parts = value.split(".")
+    _require(bool(value) and all(p and p not in ("*", ">") and not any(c.isspace() for c in p)
+                                 for p in parts), f"field {name!r}: not a literal NATS subject")
+
+
+def _check_one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"field {name!r}: must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _check_range(name: str, value: float, lo: float, hi: float = math.inf) -> None:
+    _require(lo <= value <= hi, f"field {name!r}: {value!r} not in [{lo}, {hi}]")
+
+
+# ---- sampling parameters as a dict ---------------------------------------------------------------------
+
+_SAMPLING_CHECKS = {"max_tokens": compile_type(int), "temperature": compile_type(float),
+                    "top_k": compile_type(int), "top_p": compile_type(float),
+                    "seed": compile_type(int | None), "stop": compile_type(list[str]),
+                    "stop_token_ids": compile_type(list[int]), "ignore_eos": compile_type(bool)}
+
+
+def sampling_to_dict(sp: SamplingParams) -> dict[str, Any]:
+    """SamplingParams -> plain dict of every field (tuples as lists), the ``sampling`` field on the wire."""
+    return {"max_tokens": sp.max_tokens, "temperature": float(sp.temperature), "top_k": sp.top_k,
+            "top_p": float(sp.top_p), "seed": sp.seed, "stop": list(sp.stop),
+            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos}
+
+
+def sampling_from_dict(d: Any) -> SamplingParams:
+    """Strict inverse of ``sampling_to_dict``: unknown keys and wrong types are ``invalid_request``;
+    missing keys take SamplingParams' defaults."""
+    _require(isinstance(d, dict), f"field 'sampling': expected dict, got {type(d).__name__}")
+    kwargs = {}
+    for key, value in d.items():
+        _require(key in _SAMPLING_CHECKS, f"field 'sampling': unknown key {key!r}")
+        kwargs[key] = _SAMPLING_CHECKS[key](value, f"sampling.{key}")
+    for key in ("stop", "stop_token_ids"):
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key])
+    return SamplingParams(**kwargs)
+
+
+def _error(code: str, message: str) -> DeepinferError:
+    try:
+        return DeepinferError(ErrorCode(code), message)
+    except ValueError:  # a newer peer's code: keep it readable
+        return DeepinferError(ErrorCode.INTERNAL, f"{code}: {message}")
+
+
+# ---- messages ------------------------------------------------------------------------------------------
+
+@wire_message(MAX_REQUEST_BYTES)
+class GenerateRequest(WireModel):
+    """Client API request. Exactly one of ``prompt`` / ``messages`` (chat) / ``prompt_token_ids``."""
+    request_id: str = ""            # router assigns one if empty
+    model: str = ""
+    prompt: str | None = None
+    messages: list[dict] | None = wire_field(default=None, max_len=MAX_CHAT_MESSAGES)
+    prompt_token_ids: list[int] | None = wire_field(default=None, max_len=MAX_PROMPT_TOKENS)
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = wire_field(default_factory=list)
+    stop_token_ids: list[int] = wire_field(default_factory=list)
+    ignore_eos: bool = False
+    timeout_s: float = 60.0
+    cache_salt: str = ""
+    prefill_mode: str = "auto"      # "auto" | "remote" | "local"
+    transport: str = ""             # force a KV transport; "" = router chooses
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id, allow_empty=True)
+        _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        forms = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        _require(forms == 1, "exactly one of 'prompt', 'messages', 'prompt_token_ids' must be given")
+        if self.messages is not None:
+            _require(bool(self.messages), "field 'messages': must not be empty")
+            for i, m in enumerate(self.messages):
+                _require(isinstance(m.get("role"), str) and bool(m["role"]) and isinstance(m.get("content"), str),
+                         f"field 'messages[{i}]': needs a non-empty str 'role' and a str 'content'")
+        if self.prompt_token_ids is not None:
+            _check_tokens("prompt_token_ids", self.prompt_token_ids)
+        _require(0 < self.timeout_s <= 3600, f"field 'timeout_s': must be in (0, 3600], got {self.timeout_s}")
+        _check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        self.sampling_params()
+
+    def sampling_params(self) -> SamplingParams:
+        """The request's sampling parameters (validated: raises ``invalid_request``)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop=tuple(self.stop),
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+
+
+@wire_message(MAX_CHUNK_BYTES)
+class TokenChunk(WireModel):
+    """One piece of a token stream. ``seq`` counts 0, 1, 2, ... per request; exactly the last chunk is
+    ``final`` and only it carries ``finish_reason``, ``usage`` (prompt_tokens, cached_tokens,
+    completion_tokens, ttft_ms, tpot_ms) or ``error`` ({"code", "message"})."""
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    text: str = ""
+    final: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+    def _check(self) -> None:
+        _check_range("seq", self.seq, 0)
+        _check_tokens("token_ids", self.token_ids, allow_empty=True)
+        _require(self.final or (self.finish_reason is None and self.usage is None and self.error is None),
+                 "field 'final': finish_reason, usage and error are only allowed on the final chunk")
+        if self.error is not None:
+            _require(isinstance(self.error.get("code"), str) and isinstance(self.error.get("message"), str),
+                     "field 'error': needs str 'code' and str 'message'")
+
+    @classmethod
+    def from_error(cls, request_id: str, seq: int, err: DeepinferError) -> TokenChunk:
+        """The final chunk that ends a stream with ``err``."""
+        return cls(request_id=request_id, seq=seq, token_ids=[], final=True, finish_reason="error",
+                   error={"code": err.code.value, "message": err.message})
+
+    def raise_if_error(self) -> None:
+        """Raise the carried error as a DeepinferError (unknown codes map to ``internal``)."""
+        if self.error is not None:
+            raise _error(self.error["code"], self.error["message"])
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class CancelRequest(WireModel):
+    request_id: str
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id)
+
+
+class _SamplingChecks:
+    """Rules shared by the internal requests that carry a prompt and sampling for one request."""
+    __slots__ = ()
+
+    def _check_common(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        _check_tokens("prompt_token_ids", self.prompt_token_ids)
+        _check_subject("reply_to", self.reply_to)
+        sampling_from_dict(self.sampling)
+
+    def sampling_params(self) -> SamplingParams:
+        return sampling_from_dict(self.sampling)
+
+
+@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
+class PrefillRequest(WireModel, _SamplingChecks):
+    """Router -> prefill worker: prefill, sample the first token, hand the KV to ``decode_worker``."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    sampling: dict[str, Any]
+    decode_worker: str
+    transport: str
+    reply_to: str                   # subject receiving TokenChunks
+    cache_salt: str = ""
+    deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
+
+    def _check(self) -> None:
+        self._check_common()
+        _check_worker("decode_worker", self.decode_worker)
+        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+
+
+@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt, like PrefillRequest
+class KVHandoff(WireModel, _SamplingChecks):
+    """Prefill worker -> decode worker: KV of ``num_blocks`` blocks of ``block_shape`` / ``dtype`` is
+    available through ``transport`` / ``handle``; decoding continues after ``first_token``."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    first_token: int
+    sampling: dict[str, Any]
+    reply_to: str
+    cache_salt: str
+    num_blocks: int
+    block_shape: list[int]          # ONE block, e.g. [num_layers, 2, block_size, kv_heads, head_dim]
+    dtype: str                      # torch dtype name without "torch.", e.g. "float32"
+    transport: str
+    handle: dict[str, Any]          # transport-specific
+    num_cached_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_worker: str = ""
+
+    def _check(self) -> None:
+        self._check_common()
+        _check_range("first_token", self.first_token, 0)
+        _check_range("num_blocks", self.num_blocks, 0)
+        _require(bool(self.block_shape) and min(self.block_shape) > 0,
+                 "field 'block_shape': must be a non-empty list of positive ints")
+        _check_one_of("dtype", self.dtype, DTYPES)
+        _require(bool(self.transport), "field 'transport': must not be empty")
+        _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
+        _check_range("ttft_ms", self.ttft_ms, 0.0)
+        if self.prefill_worker:
+            _check_worker("prefill_worker", self.prefill_worker)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class DecodeLocalRequest(WireModel, _SamplingChecks):
+    """Router -> decode worker: prefill locally (conditional disaggregation), then decode."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    sampling: dict[str, Any]
+    reply_to: str
+    cache_salt: str = ""
+    deadline_s: float = 60.0
+
+    def _check(self) -> None:
+        self._check_common()
+        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class Ack(WireModel):
+    ok: bool = True
+    detail: str = ""
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class ErrorReply(WireModel):
+    """Body of a failed NATS request's reply (headers: ``error_headers``)."""
+    code: str
+    message: str
+
+    def _check(self) -> None:
+        _require(bool(self.code), "field 'code': must not be empty")
+
+    @classmethod
+    def from_exception(cls, err: BaseException) -> ErrorReply:
+        """DeepinferError keeps its code; anything else is ``internal`` (details stay in the log)."""
+        if isinstance(err, DeepinferError):
+            return cls(code=err.code.value, message=err.message[:4096])
+        return cls(code=ErrorCode.INTERNAL.value, message=f"internal error ({type(err).__name__})")
+
+    def to_exception(self) -> DeepinferError:
+        return _error(self.code, self.message)
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class LoadReport(WireModel):
+    """Heartbeat on ``subjects.load(worker_id)``: queue and KV-memory metrics."""
+    worker_id: str
+    role: str
+    model_id: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float                 # fraction of KV blocks in use, [0, 1]
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    transports: list[str]
+    host: str
+    timestamp: float
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_one_of("role", self.role, ROLES)
+        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size"):
+            _check_range(name, getattr(self, name), 0)
+        _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
+        _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class WorkerInfo(WireModel):
+    """Registry entry, stored under ``worker_id`` in the ``subjects.REGISTRY_BUCKET`` KV bucket."""
+    worker_id: str
+    role: str
+    model_id: str
+    host: str
+    pid: int
+    transports: list[str]
+    block_size: int
+    started_at: float
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_one_of("role", self.role, ROLES)
+        _check_range("pid", self.pid, 0)
+        _check_range("block_size", self.block_size, 0)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class KVEvent(WireModel):
+    """Blocks ``stored`` / ``removed`` on, or all ``cleared`` from, one worker's tier. ``seq`` increases by
+    one per event per worker, so a gap tells the KV index to resync. Hashes are uint64."""
+    worker_id: str
+    seq: int
+    kind: str
+    block_hashes: list[int]
+    tier: str = "device"
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_range("seq", self.seq, 0)
+        _check_one_of("kind", self.kind, KV_EVENT_KINDS)
+        _require(not self.block_hashes or min(self.block_hashes) >= 0,
+                 "field 'block_hashes': hashes must be unsigned 64-bit ints")
+        _require(bool(self.tier), "field 'tier': must not be empty")
+
+
+MESSAGE_TYPES: dict[str, type] = registered_types()
+
+
+# ---- replies -------------------------------------------------------------------------------------------
+
+def decode_reply(data: bytes, expected: type[T] | tuple[type, ...]) -> T:
+    """Decode a request's reply: the expected message, or raise the DeepinferError of an ErrorReply."""
+    allowed = (expected,) if isinstance(expected, type) else tuple(expected)
+    msg = decode(data, (*allowed, ErrorReply))
+    if isinstance(msg, ErrorReply) and ErrorReply not in allowed:
+        raise msg.to_exception()
+    return msg
+
+
+def error_headers(err: DeepinferError) -> dict[str, str]:
+    """NATS headers for an error reply (NATS micro convention plus our code); body: encode(ErrorReply)."""
+    description = " ".join(err.message.split())[:256]
+    return {"Nats-Service-Error-Code": str(err.http_status), "Nats-Service-Error": description,
+            "Di-Error-Code": err.code.value}

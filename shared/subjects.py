@@ -1,0 +1,103 @@
+"""Every NATS subject of deepinfer, versioned under ``di.v1.``. No literal subject lives anywhere else.
+
+Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
+
+- ``di.v1.generate``                 client API: GenerateRequest -> streamed TokenChunk replies (request/reply)
+- ``di.v1.cancel``                   CancelRequest, broadcast: whoever owns the request stops it
+- ``di.v1.kv.events``                KVEvent: blocks stored/removed/cleared by a worker or the cache tier
+- ``di.v1.load.<worker>``            LoadReport heartbeats; ``di.v1.load.*`` (LOAD_ALL) subscribes to all
+- ``di.v1.prefill.<worker>``         PrefillRequest to one prefill worker
+- ``di.v1.decode.<worker>``          KVHandoff / DecodeLocalRequest to one decode worker
+- ``di.v1.kvx.<transfer>``           ``stream`` KV transport: pulls of one transfer's payload chunks
+- ``di.v1.ctl.<service>.<op>``       control plane (status, drain, ...) of one service
+- ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
+- ``di.v1.cache.<op>``               cache tier operations (lookup, get, put, stats, ...)
+
+``REGISTRY_BUCKET`` is the JetStream KV bucket (not a subject; bucket names may not contain dots) where
+workers register a WorkerInfo under their worker id, with a TTL.
+
+Invariant: every variable token (worker id, transfer id, service, op, model) is non-empty, printable and
+contains no ``.``, ``*``, ``>`` or whitespace, so it is exactly one subject token and never a wildcard.
+Builders raise ``ValueError`` otherwise. Names that may contain dots (model ids such as ``Qwen2.5-0.5B``)
+go through ``safe_token`` first.
+"""
+from __future__ import annotations
+
+import hashlib
+
+PREFIX = "di.v1"
+
+GENERATE = f"{PREFIX}.generate"
+CANCEL = f"{PREFIX}.cancel"
+KV_EVENTS = f"{PREFIX}.kv.events"
+LOAD_ALL = f"{PREFIX}.load.*"
+REGISTRY_BUCKET = "di_v1_workers"
+
+_FORBIDDEN = frozenset(".*>")
+MAX_TOKEN_LEN = 128
+
+
+def validate_token(token: str, what: str = "token") -> str:
+    """Return ``token`` if it is one valid, literal subject token; raise ``ValueError`` otherwise."""
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"{what} must be a non-empty string, got {token!r}")
+    if len(token) > MAX_TOKEN_LEN:
+        raise ValueError(f"{what} is longer than {MAX_TOKEN_LEN} characters: {token[:40]!r}...")
+    for ch in token:
+        if ch in _FORBIDDEN or ch.isspace() or not ch.isprintable():
+            raise ValueError(f"{what} {token!r} contains a forbidden character {ch!r} "
+                             "(no '.', '*', '>', whitespace or control characters)")
+    return token
+
+
+def safe_token(name: str) -> str:
+    """Map an arbitrary non-empty name (e.g. a model id with dots) to a valid token, deterministically.
+
+    Valid tokens are returned unchanged; otherwise forbidden characters become ``_`` and a short hash
+    of the original is appended, so two distinct names never share a token.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    try:
+        return validate_token(name)
+    except ValueError:
+        pass
+    cleaned = "".join("_" if ch in _FORBIDDEN or ch.isspace() or not ch.isprintable() else ch
+                      for ch in name)[:MAX_TOKEN_LEN - 9]
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    return f"{cleaned}-{digest}"
+
+
+def prefill(worker_id: str) -> str:
+    """Subject of one prefill worker's PrefillRequests."""
+    return f"{PREFIX}.prefill.{validate_token(worker_id, 'worker_id')}"
+
+
+def decode(worker_id: str) -> str:
+    """Subject of one decode worker's KVHandoff / DecodeLocalRequest messages."""
+    return f"{PREFIX}.decode.{validate_token(worker_id, 'worker_id')}"
+
+
+def load(worker_id: str) -> str:
+    """Subject a worker publishes its LoadReport heartbeats on (LOAD_ALL matches all of them)."""
+    return f"{PREFIX}.load.{validate_token(worker_id, 'worker_id')}"
+
+
+def kv_pull(transfer_id: str) -> str:
+    """Subject the ``stream`` transport serves one transfer's chunks on."""
+    return f"{PREFIX}.kvx.{validate_token(transfer_id, 'transfer_id')}"
+
+
+def ctl(service: str, op: str) -> str:
+    """Control-plane subject of one service and operation."""
+    return f"{PREFIX}.ctl.{validate_token(service, 'service')}.{validate_token(op, 'op')}"
+
+
+def draft(model: str) -> str:
+    """Draft-model subject (served by a queue group). Pass ``safe_token(model_id)`` for ids with dots."""
+    return f"{PREFIX}.draft.{validate_token(model, 'model')}"
+
+
+def cache(op: str) -> str:
+    """Cache-tier operation subject."""
+    return f"{PREFIX}.cache.{validate_token(op, 'op')}"

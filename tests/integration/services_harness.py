@@ -1,0 +1,59 @@
+"""Runs router + prefill + decode services in-process (one event loop, real NATS) on a tiny float64 model."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+from services.router.service import RouterService
+from shared.config import RouterConfig, WorkerConfig
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+
+
+def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerConfig:
+    return WorkerConfig(role=role, nats_url=url, worker_id=worker_id, model=str(folder), dtype="float64",
+                        kv_cache_mb=kw.pop("kv_cache_mb", 8), block_size=8, heartbeat_s=0.2, threads=1,
+                        max_num_batched_tokens=64, **kw)
+
+
+class InProcessCluster:
+    def __init__(self, url: str, folder, prefill: int = 1, decode: int = 1, local_prefill_threshold: int = 0,
+                 **worker_kw) -> None:
+        self.url, self.folder = url, folder
+        self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
+                                                 local_prefill_threshold=local_prefill_threshold))
+        self.workers = [PrefillService(worker_config("prefill", url, folder, f"prefill-{i}", **worker_kw))
+                        for i in range(prefill)]
+        self.workers += [DecodeService(worker_config("decode", url, folder, f"decode-{i}", **worker_kw))
+                         for i in range(decode)]
+
+    async def __aenter__(self) -> "InProcessCluster":
+        await self.router.start()
+        for w in self.workers:
+            await w.start()
+        names = {w.config.worker_id for w in self.workers}
+        for _ in range(100):
+            if names <= {wid for wid in self.router.table.workers}:
+                return self
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"router never saw {names}")
+
+    async def __aexit__(self, *exc) -> None:
+        for w in self.workers:
+            await w.runtime.stop()
+            for t in w.transports.values():
+                with contextlib.suppress(Exception):
+                    await t.close()
+            await w.aengine.stop()
+        await self.router.runtime.stop()
+
+
+def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt alone through the single-process engine, no prefix cache."""
+    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=256,
+                                                           enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [engine.generate([p], params)[0] for p in prompts]

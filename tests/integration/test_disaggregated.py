@@ -1,0 +1,111 @@
+"""Router → prefill → decode over a real nats-server: exact tokens on every transport, replicas under
+concurrency, and bad input answered with error codes."""
+import asyncio
+import random
+
+import msgpack
+import pytest
+
+from services.client import generate
+from shared import protocol, subjects
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv.transport import available_transports
+from tests.integration.conftest import connect
+from tests.integration.services_harness import InProcessCluster, reference_outputs
+from tests.model_factory import write_tiny_hf_folder
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=512)
+
+
+def varied_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 280) for _ in range(24)]
+    out = []
+    for i in range(n):
+        length = rng.choice([5, 8, 13, 16, 17, 31, 40, 64, 77])
+        tail = [rng.randrange(3, 280) for _ in range(length)]
+        out.append(shared + tail if i % 3 == 0 else tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(folder):
+    prompts = varied_prompts(20)
+    return prompts, reference_outputs(folder, prompts, MAX_TOKENS)
+
+
+def request(prompt, **kw) -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(prompt_token_ids=prompt, max_tokens=kw.pop("max_tokens", MAX_TOKENS),
+                                    temperature=0.0, ignore_eos=True, timeout_s=60.0, **kw)
+
+
+@pytest.mark.parametrize("mode", [*(t for t in ("shm", "stream", "nixl") if t in available_transports()), "local"])
+async def test_greedy_equals_single_process_engine(nats_server, folder, prompts_and_reference, mode):
+    prompts, expected = prompts_and_reference
+    kw = {"prefill_mode": "local"} if mode == "local" else {"prefill_mode": "remote", "transport": mode}
+    async with InProcessCluster(nats_server.url, folder, transports=mode if mode != "local" else "shm"):
+        nc = await connect(nats_server.url)
+        try:
+            results = await asyncio.gather(*(generate(nc, request(p, **kw)) for p in prompts))
+        finally:
+            await nc.close()
+    for i, ((ids, _text, usage), exp) in enumerate(zip(results, expected)):
+        assert ids == exp, f"prompt {i} ({len(prompts[i])} tokens) diverged via {mode}"
+        assert usage["completion_tokens"] == MAX_TOKENS and usage["prompt_tokens"] == len(prompts[i])
+
+
+async def test_two_prefill_two_decode_fifty_concurrent(nats_server, folder):
+    prompts = varied_prompts(50, seed=1)
+    expected = reference_outputs(folder, prompts, 6)
+    async with InProcessCluster(nats_server.url, folder, prefill=2, decode=2,
+                                local_prefill_threshold=20) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            results = await asyncio.gather(*(generate(nc, request(p, max_tokens=6)) for p in prompts))
+        finally:
+            await nc.close()
+        served = {w.config.worker_id: w.engine.block_manager.num_query_tokens for w in cluster.workers}
+    assert [r[0] for r in results] == expected
+    assert all(n > 0 for n in served.values()), f"every replica should have served work: {served}"
+
+
+async def ask_raw(nc, payload: bytes):
+    reply = await nc.request(subjects.GENERATE, payload, timeout=10)
+    return protocol.decode(reply.data, (protocol.ErrorReply, protocol.TokenChunk))
+
+
+async def test_bad_input_gets_error_codes_and_service_stays_up(nats_server, folder):
+    good = request([5, 6, 7, 8, 9], max_tokens=3)
+    async with InProcessCluster(nats_server.url, folder):
+        nc = await connect(nats_server.url)
+        try:
+            raw = protocol.encode(good)
+            fields = msgpack.unpackb(raw)
+            cases = {
+                b"\x00garbage\xff": ErrorCode.INVALID_REQUEST,
+                msgpack.packb({**fields, "v": 99}): ErrorCode.UNSUPPORTED_VERSION,
+                msgpack.packb({k: v for k, v in fields.items() if k != "prompt_token_ids"}): ErrorCode.INVALID_REQUEST,
+                msgpack.packb({**fields, "max_tokens": "ten"}): ErrorCode.INVALID_REQUEST,
+                msgpack.packb({**fields, "temperature": -1.0}): ErrorCode.INVALID_REQUEST,
+                msgpack.packb({**fields, "prompt_token_ids": [1] * 1_200_000}): ErrorCode.INVALID_REQUEST,
+                msgpack.packb({**fields, "prompt_token_ids": None, "prompt": "x" * 5_000_000}):
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+            }
+            for payload, code in cases.items():
+                reply = await ask_raw(nc, payload)
+                assert isinstance(reply, protocol.ErrorReply) and reply.code == code.value, (payload[:20], reply)
+            for bad, code in ((request([5, 6], model="no-such-model"), ErrorCode.MODEL_NOT_FOUND),
+                              (request([10**6]), ErrorCode.INVALID_REQUEST),
+                              (request([1] * 600), ErrorCode.PROMPT_TOO_LONG)):
+                with pytest.raises(DeepinferError) as err:
+                    await generate(nc, bad)
+                assert err.value.code == code
+            ids, _, _ = await generate(nc, good)
+            assert len(ids) == 3
+        finally:
+            await nc.close()

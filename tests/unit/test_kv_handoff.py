@@ -1,0 +1,68 @@
+"""Prefill on one engine, hand the KV to another, decode there: tokens equal the monolithic engine's."""
+import dataclasses
+
+import pytest
+
+from shared.engine.config import EngineConfig
+from shared.engine.kv_handoff import export_kv, import_prefilled
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import DeepinferError, ErrorCode
+from tests.tiny_model import tiny_model
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def engine(model, blocks=64):
+    return LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=32))
+
+
+def prefill(model, prompt):
+    src = engine(model)
+    rid = src.add_request(prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
+    outs = []
+    while src.has_unfinished():
+        outs += src.step()
+    first = outs[-1].new_token_ids[0]
+    kv = export_kv(src, rid)
+    src.release_held(rid)
+    assert src.block_manager.num_free_blocks == src.block_manager.num_blocks
+    return first, kv
+
+
+@pytest.mark.parametrize("prompt_len", [5, 8, 23, 40])
+def test_handoff_equals_monolithic(prompt_len):
+    model = tiny_model(seed=11)
+    prompt = [(7 * i + 3) % 128 for i in range(prompt_len)]
+    expected = engine(model).generate([prompt], PARAMS)[0]
+    first, kv = prefill(model, prompt)
+    dst = engine(model)
+    dst.add_request([1, 2, 3], PARAMS)  # something else already decoding there
+    assert import_prefilled(dst, "x", prompt, first, PARAMS, kv)
+    got = [first]
+    while dst.has_unfinished():
+        got += [t for o in dst.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert got == expected
+
+
+def test_no_room_falls_back_to_recompute_with_same_tokens():
+    model = tiny_model(seed=11)
+    prompt = list(range(1, 40))
+    expected = engine(model).generate([prompt], PARAMS)[0]
+    first, kv = prefill(model, prompt)
+    dst = engine(model, blocks=7)
+    dst.add_request(list(range(50, 70)), dataclasses.replace(PARAMS, max_tokens=30))
+    dst.step()  # holds 3 of 7 blocks: the 5 needed for the hand-off do not fit
+    assert not import_prefilled(dst, "x", prompt, first, PARAMS, kv)
+    got = [first]
+    while dst.has_unfinished():
+        got += [t for o in dst.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert got == expected
+
+
+def test_wrong_shape_is_rejected():
+    model = tiny_model(seed=11)
+    first, kv = prefill(model, list(range(1, 20)))
+    with pytest.raises(DeepinferError) as err:
+        import_prefilled(engine(model), "x", list(range(1, 30)), first, PARAMS, kv)
+    assert err.value.code == ErrorCode.TRANSFER_FAILED

@@ -1,0 +1,371 @@
+"""Wire protocol and subjects: round trips of every message, and every way a message must be rejected."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared import protocol as p
+from shared import subjects
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import DeepinferError, ErrorCode
+from shared.wire_validation import WireModel, build, wire_field
+
+SAMPLING = p.sampling_to_dict(SamplingParams(max_tokens=8, temperature=0.0, seed=3, stop=("\n",)))
+
+SAMPLES = {
+    "GenerateRequest": p.GenerateRequest(request_id="r1", model="m", prompt="hello", max_tokens=4, seed=7,
+                                         stop=["x"], stop_token_ids=[2], prefill_mode="remote", transport="shm"),
+    "TokenChunk": p.TokenChunk(request_id="r1", seq=3, token_ids=[5, 6], text="ab", final=True,
+                               finish_reason="length", usage={"prompt_tokens": 4, "ttft_ms": 1.5}),
+    "CancelRequest": p.CancelRequest(request_id="r1"),
+    "PrefillRequest": p.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SAMPLING,
+                                       decode_worker="decode-0", transport="stream", reply_to="_INBOX.a.b",
+                                       cache_salt="tenant", deadline_s=12.5),
+    "KVHandoff": p.KVHandoff(request_id="r1", prompt_token_ids=[1, 2, 3], first_token=9, sampling=SAMPLING,
+                             reply_to="_INBOX.a.b", cache_salt="", num_blocks=1, block_shape=[2, 2, 16, 4, 8],
+                             dtype="bfloat16", transport="shm", handle={"name": "/di_shm_1", "offset": 0},
+                             num_cached_tokens=2, ttft_ms=3.0, prefill_worker="prefill-0"),
+    "DecodeLocalRequest": p.DecodeLocalRequest(request_id="r1", prompt_token_ids=[1], sampling=SAMPLING,
+                                               reply_to="_INBOX.x"),
+    "Ack": p.Ack(),
+    "ErrorReply": p.ErrorReply(code="overloaded", message="too busy"),
+    "LoadReport": p.LoadReport(worker_id="decode-0", role="decode", model_id="m", num_running=2, num_waiting=0,
+                               kv_usage=0.25, num_free_blocks=30, num_total_blocks=40, block_size=16,
+                               transports=["shm", "stream"], host="h", timestamp=1.0e9),
+    "WorkerInfo": p.WorkerInfo(worker_id="prefill-0", role="prefill", model_id="m", host="h", pid=42,
+                               transports=["stream"], block_size=16, started_at=1.0e9),
+    "KVEvent": p.KVEvent(worker_id="prefill-0", seq=1, kind="stored", block_hashes=[0, 1, 2**63, 2**64 - 1]),
+}
+
+
+def raw(msg_type: str, **fields) -> bytes:
+    """Hand-made wire bytes (bypass encode's validation)."""
+    return msgpack.packb({"v": 1, "type": msg_type, **fields})
+
+
+def body(msg: WireModel, **overrides) -> bytes:
+    return raw(type(msg).__name__, **{**msg.to_dict(), **overrides})
+
+
+def code_of(data: bytes, expected=None) -> DeepinferError:
+    with pytest.raises(DeepinferError) as info:
+        p.decode(data, expected)
+    return info.value
+
+
+# ---- round trips -----------------------------------------------------------------------------------------
+
+def test_samples_cover_every_message_type():
+    assert set(SAMPLES) == set(p.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_round_trip(name):
+    msg = SAMPLES[name]
+    data = p.encode(msg)
+    assert msgpack.unpackb(data)["v"] == p.PROTOCOL_VERSION
+    assert msgpack.unpackb(data)["type"] == name
+    assert p.decode(data) == msg
+    assert p.decode(data, type(msg)) == msg
+    assert p.decode(data, (p.Ack, type(msg))) == msg
+
+
+def test_messages_are_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLES["Ack"].ok = False
+    with pytest.raises(TypeError):
+        p.CancelRequest("r1")
+
+
+def test_uint64_block_hashes():
+    hashes = [2**64 - 1, 2**63, 2**32, 0]
+    ev = p.decode(p.encode(p.KVEvent(worker_id="w", seq=0, kind="stored", block_hashes=hashes)))
+    assert ev.block_hashes == hashes
+    for bad in (2**64, -1):
+        with pytest.raises(DeepinferError, match="block_hashes"):
+            p.KVEvent(worker_id="w", seq=0, kind="removed", block_hashes=[1, bad])
+
+
+def test_int_accepted_for_float_and_stored_as_float():
+    msg = p.decode(body(SAMPLES["LoadReport"], kv_usage=1, timestamp=5))
+    assert msg.kv_usage == 1.0 and type(msg.kv_usage) is float and type(msg.timestamp) is float
+
+
+def test_sampling_dict_round_trip_and_strictness():
+    sp = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=1, stop=("a", "b"),
+                        stop_token_ids=(7,), ignore_eos=True)
+    assert p.sampling_from_dict(p.sampling_to_dict(sp)) == sp
+    assert p.sampling_from_dict({}) == SamplingParams()
+    assert SAMPLES["PrefillRequest"].sampling_params().seed == 3
+    for bad in ({"bogus": 1}, {"max_tokens": True}, {"top_k": "3"}, {"temperature": -1.0}, [1]):
+        with pytest.raises(DeepinferError) as info:
+            p.sampling_from_dict(bad)
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+    with pytest.raises(DeepinferError, match="sampling"):
+        p.decode(body(SAMPLES["KVHandoff"], sampling={"max_tokens": "8"}))
+
+
+def test_generate_request_sampling_params():
+    sp = SAMPLES["GenerateRequest"].sampling_params()
+    assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids) == (4, 7, ("x",), (2,))
+
+
+# ---- rejections ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x81", b"\xa3abc", b"\x91\x01", b"\x01\x02",
+                                  msgpack.packb({"v": 1, "type": "Ack"}) + b"\x00",
+                                  msgpack.packb({1: 2}), b"\xd4\x01\x00"])
+def test_garbage_is_invalid_request(data):
+    err = code_of(data)
+    assert err.code is ErrorCode.INVALID_REQUEST and "malformed message" in err.message
+
+
+def test_non_bytes_input():
+    assert code_of("text").code is ErrorCode.INVALID_REQUEST
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=256))
+def test_random_bytes_only_raise_deepinfer_error(data):
+    try:
+        p.decode(data)
+    except DeepinferError:
+        pass
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(SAMPLES)), st.data())
+def test_random_fields_only_raise_deepinfer_error(name, data):
+    fields = SAMPLES[name].to_dict()
+    keys = data.draw(st.lists(st.sampled_from(sorted(fields) + ["extra"]), max_size=4, unique=True))
+    for key in keys:
+        fields[key] = data.draw(_values)
+    try:
+        msg = p.decode(raw(name, **fields))
+    except DeepinferError as err:
+        assert err.code is ErrorCode.INVALID_REQUEST
+    else:
+        assert type(msg).__name__ == name
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, "1", True, 1.0])
+def test_wrong_or_missing_version(version):
+    fields = {"type": "Ack", "ok": True, "detail": ""}
+    if version is not None:
+        fields["v"] = version
+    assert code_of(msgpack.packb(fields)).code is ErrorCode.UNSUPPORTED_VERSION
+
+
+@pytest.mark.parametrize("msg_type", ["Nope", "", None, 7, "WireModel"])
+def test_unknown_type(msg_type):
+    fields = {"v": 1, "ok": True}
+    if msg_type is not None:
+        fields["type"] = msg_type
+    err = code_of(msgpack.packb(fields))
+    assert err.code is ErrorCode.INVALID_REQUEST and "unknown message type" in err.message
+
+
+def test_type_not_in_expected():
+    err = code_of(p.encode(p.Ack()), (p.TokenChunk, p.GenerateRequest))
+    assert err.code is ErrorCode.INVALID_REQUEST and "unexpected message type 'Ack'" in err.message
+    with pytest.raises(TypeError):
+        p.decode(p.encode(p.Ack()), dict)
+
+
+def test_missing_required_field_is_named():
+    fields = SAMPLES["PrefillRequest"].to_dict()
+    del fields["decode_worker"]
+    err = code_of(raw("PrefillRequest", **fields))
+    assert err.code is ErrorCode.INVALID_REQUEST and "'decode_worker'" in err.message
+
+
+@pytest.mark.parametrize("name,field,value", [
+    ("GenerateRequest", "max_tokens", "5"), ("GenerateRequest", "max_tokens", True),
+    ("GenerateRequest", "max_tokens", 5.0), ("GenerateRequest", "temperature", False),
+    ("GenerateRequest", "temperature", "hot"), ("GenerateRequest", "prompt", 5),
+    ("GenerateRequest", "ignore_eos", 1), ("GenerateRequest", "stop", "x"), ("GenerateRequest", "stop", [1]),
+    ("TokenChunk", "seq", True), ("TokenChunk", "token_ids", [1, True]), ("TokenChunk", "token_ids", [1, "2"]),
+    ("TokenChunk", "usage", [1]), ("PrefillRequest", "prompt_token_ids", None),
+    ("KVHandoff", "handle", "h"), ("KVHandoff", "block_shape", [2, 1.5]), ("WorkerInfo", "pid", 4.0),
+    ("LoadReport", "transports", [b"shm"]), ("ErrorReply", "code", b"x"), ("Ack", "ok", 1),
+])
+def test_mistyped_field_is_named(name, field, value):
+    err = code_of(body(SAMPLES[name], **{field: value}))
+    assert err.code is ErrorCode.INVALID_REQUEST and f"field '{field}" in err.message, err.message
+
+
+def test_unknown_extra_field_is_named():
+    err = code_of(body(SAMPLES["CancelRequest"], reason="bored"))
+    assert err.code is ErrorCode.INVALID_REQUEST and "'reason'" in err.message
+
+
+def test_oversize_payloads():
+    assert code_of(b"\x00" * (p.MAX_MESSAGE_BYTES + 1)).code is ErrorCode.PAYLOAD_TOO_LARGE
+    # rejected before parsing when the expected types' limits are smaller
+    assert code_of(b"\x00" * (p.MAX_CHUNK_BYTES + 1), p.TokenChunk).code is ErrorCode.PAYLOAD_TOO_LARGE
+    big = "x" * (p.MAX_CHUNK_BYTES + 10)
+    with pytest.raises(DeepinferError) as info:
+        p.encode(p.TokenChunk(request_id="r", seq=0, token_ids=[], text=big))
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+    assert code_of(raw("TokenChunk", request_id="r", seq=0, token_ids=[], text=big)).code \
+        is ErrorCode.PAYLOAD_TOO_LARGE
+    prompt = "y" * p.MAX_REQUEST_BYTES
+    assert code_of(raw("GenerateRequest", prompt=prompt)).code is ErrorCode.PAYLOAD_TOO_LARGE
+
+
+def test_list_length_limits():
+    msgs = [{"role": "user", "content": "x"}] * (p.MAX_CHAT_MESSAGES + 1)
+    err = code_of(raw("GenerateRequest", messages=msgs))
+    assert err.code is ErrorCode.INVALID_REQUEST and "'messages'" in err.message
+
+
+def test_max_size_prompt_fits_internal_messages():
+    ids = [151_000] * p.MAX_PROMPT_TOKENS  # 5 bytes each on the wire
+    req = p.PrefillRequest(request_id="r", prompt_token_ids=ids, sampling=SAMPLING, decode_worker="d",
+                           transport="stream", reply_to="_INBOX.r", deadline_s=1.0)
+    assert len(p.decode(p.encode(req), p.PrefillRequest).prompt_token_ids) == p.MAX_PROMPT_TOKENS
+
+
+@pytest.mark.parametrize("forms", [{}, {"prompt": "a", "prompt_token_ids": [1]},
+                                   {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}])
+def test_generate_request_needs_exactly_one_prompt_form(forms):
+    err = code_of(raw("GenerateRequest", **forms))
+    assert err.code is ErrorCode.INVALID_REQUEST and "exactly one of" in err.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": []}, {"messages": [{"role": "user"}]}, {"messages": [{"role": "", "content": "x"}]},
+    {"messages": [1]}, {"prompt_token_ids": []}, {"prompt_token_ids": [-1]},
+    {"prompt": "a", "timeout_s": 0.0}, {"prompt": "a", "timeout_s": 3601}, {"prompt": "a", "timeout_s": float("nan")},
+    {"prompt": "a", "prefill_mode": "sometimes"}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_p": 0.0},
+    {"prompt": "a", "temperature": -0.5}, {"prompt": "a", "seed": -1}, {"prompt": "a", "request_id": "r" * 300},
+])
+def test_generate_request_semantic_rejections(fields):
+    assert code_of(raw("GenerateRequest", **fields)).code is ErrorCode.INVALID_REQUEST
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("TokenChunk", {"seq": -1}), ("TokenChunk", {"final": False}),
+    ("TokenChunk", {"final": True, "error": {"code": 1}}), ("CancelRequest", {"request_id": ""}),
+    ("PrefillRequest", {"decode_worker": "a.b"}), ("PrefillRequest", {"reply_to": "_INBOX.*"}),
+    ("PrefillRequest", {"deadline_s": float("inf")}), ("KVHandoff", {"dtype": "torch.float32"}),
+    ("KVHandoff", {"num_cached_tokens": 4}), ("KVHandoff", {"block_shape": []}),
+    ("KVHandoff", {"transport": ""}), ("KVHandoff", {"first_token": -3}),
+    ("LoadReport", {"worker_id": "w 1"}), ("LoadReport", {"role": "boss"}), ("LoadReport", {"kv_usage": 1.5}),
+    ("WorkerInfo", {"worker_id": "w>"}), ("KVEvent", {"kind": "moved"}), ("ErrorReply", {"code": ""}),
+])
+def test_message_semantic_rejections(name, overrides):
+    assert code_of(body(SAMPLES[name], **overrides)).code is ErrorCode.INVALID_REQUEST
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+def test_token_chunk_error_round_trip():
+    err = DeepinferError(ErrorCode.WORKER_LOST, "decode-1 died")
+    chunk = p.decode(p.encode(p.TokenChunk.from_error("r1", 7, err)), p.TokenChunk)
+    assert chunk.final and chunk.seq == 7 and chunk.finish_reason == "error"
+    with pytest.raises(DeepinferError) as info:
+        chunk.raise_if_error()
+    assert info.value.code is ErrorCode.WORKER_LOST and info.value.message == "decode-1 died"
+    SAMPLES["TokenChunk"].raise_if_error()  # no error: no raise
+    future = p.TokenChunk(request_id="r", seq=0, token_ids=[], final=True, error={"code": "new", "message": "m"})
+    with pytest.raises(DeepinferError) as info:
+        future.raise_if_error()
+    assert info.value.code is ErrorCode.INTERNAL and "new" in info.value.message
+
+
+def test_error_reply_and_decode_reply():
+    err = DeepinferError(ErrorCode.OVERLOADED, "queue full")
+    reply = p.ErrorReply.from_exception(err)
+    assert reply.to_exception().code is ErrorCode.OVERLOADED
+    with pytest.raises(DeepinferError) as info:
+        p.decode_reply(p.encode(reply), p.Ack)
+    assert info.value.code is ErrorCode.OVERLOADED and info.value.message == "queue full"
+    assert p.decode_reply(p.encode(p.Ack(detail="ok")), p.Ack).detail == "ok"
+    assert p.ErrorReply.from_exception(KeyError("secret")).code == "internal"
+    with pytest.raises(DeepinferError) as info:
+        p.decode_reply(p.encode(p.TokenChunk(request_id="r", seq=0, token_ids=[])), p.Ack)
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+
+
+def test_error_headers():
+    headers = p.error_headers(DeepinferError(ErrorCode.OVERLOADED, "queue\r\nfull"))
+    assert headers["Nats-Service-Error-Code"] == "429" and headers["Di-Error-Code"] == "overloaded"
+    assert all(isinstance(v, str) and "\n" not in v and "\r" not in v for v in headers.values())
+
+
+def test_encode_rejects_unregistered_objects():
+    with pytest.raises(TypeError):
+        p.encode(SamplingParams())
+
+
+# ---- the generic validator -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Inner(WireModel):
+    x: int
+    tags: list[str] = wire_field(default_factory=list, max_len=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Outer(WireModel):
+    inner: _Inner
+    maybe: _Inner | None = None
+    blob: bytes = b""
+
+
+def test_nested_models():
+    outer = build(_Outer, {"inner": {"x": 1}, "maybe": {"x": 2, "tags": ("a",)}, "blob": b"\x00"})
+    assert outer.inner == _Inner(x=1) and outer.maybe.tags == ["a"]
+    assert outer.to_dict() == {"inner": {"x": 1, "tags": []}, "maybe": {"x": 2, "tags": ["a"]}, "blob": b"\x00"}
+    for bad, word in [({"inner": {"x": "1"}}, "'x'"), ({"inner": {}}, "'x'"), ({"inner": 3}, "'inner'"),
+                      ({"inner": {"x": 1, "tags": ["a", "b", "c"]}}, "'tags'"), ({"inner": {"x": 1, "y": 2}}, "'y'"),
+                      ({"inner": {"x": 1}, "blob": "s"}, "'blob'"), ({"inner": {"x": 2**64}}, "'x'")]:
+        with pytest.raises(DeepinferError, match=word) as info:
+            build(_Outer, bad)
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+
+
+def test_dict_keys_must_be_str():
+    with pytest.raises(DeepinferError, match="'handle'"):
+        dataclasses.replace(SAMPLES["KVHandoff"], handle={1: "x"})
+
+
+# ---- subjects --------------------------------------------------------------------------------------------
+
+def test_subjects():
+    assert subjects.GENERATE == "di.v1.generate" and subjects.CANCEL == "di.v1.cancel"
+    assert subjects.KV_EVENTS == "di.v1.kv.events" and subjects.LOAD_ALL == "di.v1.load.*"
+    assert subjects.prefill("p-0") == "di.v1.prefill.p-0" and subjects.decode("d_1") == "di.v1.decode.d_1"
+    assert subjects.load("w") == "di.v1.load.w" and subjects.kv_pull("t1") == "di.v1.kvx.t1"
+    assert subjects.ctl("router", "status") == "di.v1.ctl.router.status"
+    assert subjects.draft("tiny") == "di.v1.draft.tiny" and subjects.cache("lookup") == "di.v1.cache.lookup"
+    assert "." not in subjects.REGISTRY_BUCKET
+
+
+@pytest.mark.parametrize("token", ["", "a.b", "a*", ">", "a b", "a\tb", "a\nb", "\x00", None, 5, "x" * 200])
+def test_subject_tokens_are_validated(token):
+    for build_subject in (subjects.prefill, subjects.decode, subjects.load, subjects.kv_pull, subjects.draft,
+                          subjects.cache, lambda t: subjects.ctl("svc", t), lambda t: subjects.ctl(t, "op")):
+        with pytest.raises(ValueError):
+            build_subject(token)
+
+
+def test_safe_token():
+    assert subjects.safe_token("tiny-llama") == "tiny-llama"
+    a, b = subjects.safe_token("Qwen/Qwen2.5-0.5B"), subjects.safe_token("Qwen/Qwen2_5-0_5B")
+    assert a != b and subjects.draft(a).startswith("di.v1.draft.Qwen/Qwen2_5-0_5B-")
+    assert subjects.safe_token("Qwen/Qwen2.5-0.5B") == a
+    with pytest.raises(ValueError):
+        subjects.safe_token("")

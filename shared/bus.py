@@ -27,7 +27,7 @@ Handler = Callable[[Msg], Awaitable[None]]
 async def connect(url: str, name: str) -> nats.NATS:
     """Connect, retrying forever on later disconnects (services outlive NATS restarts)."""
     async def on_disconnect():
-        logger.warning("%s: disconnected from NATS", name)
+        logger.info("%s: disconnected from NATS", name)
 
     async def on_reconnect():
         logger.info("%s: reconnected to NATS", name)

@@ -185,6 +185,26 @@ def deadline_left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+async def sync_with_server(nc: Any, timeout: float) -> None:
+    """Return once the server has processed every SUB/UNSUB this client sent before the call.
+
+    Two flushes: nats-py 2.16 writes PING straight to the socket, possibly ahead of a SUB/UNSUB still in
+    its pending buffer, so the first PONG proves nothing; the second PING follows them on the wire.
+    """
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
+
+
+async def unsubscribe_quietly(nc: Any, sub: Any, timeout: float = 1.0) -> None:
+    """Unsubscribe and make the server forget the interest now, so pullers of a released transfer get
+    "no responders" at once instead of a timeout. Errors (connection closed) are only logged."""
+    try:
+        await sub.unsubscribe()
+        await sync_with_server(nc, timeout)
+    except Exception as exc:  # noqa: BLE001 - a closed connection has no subscriptions left anyway
+        log.debug("unsubscribe %s: %r", getattr(sub, "subject", "?"), exc)
+
+
 def _shm_factory() -> Callable[..., KVTransport]:
     from shared.kv.transport_shm import ShmTransport
     return ShmTransport

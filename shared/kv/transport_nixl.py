@@ -1,3 +1,239 @@
-"""placeholder"""
+"""``nixl`` KV transport: the receiver READs the sender's registered payload with NIXL (UCX backend).
+
+Available only when the NIXL Python package imports (``nixl``, or the ``nixl_cu12``/``nixl_cu13`` wheels:
+``pip install --no-deps nixl-cu12``); ``nixl_available()`` says so and ``available_transports()`` follows it.
+
+Handle: {"transport": "nixl", "agent": sender agent name, "md": sender agent metadata (bytes),
+"addr": payload address in the sender, "subject": control subject, "nbytes", "dtype", "shape"}.
+
+Invariants:
+- One NIXL agent per transport instance (unique name), progress thread OFF (3-5x faster on few cores), so
+  this class drives progress itself: a background task polls the sender agent while anything is staged
+  (``poll_interval``), and ``fetch`` polls ``check_xfer_state`` until DONE/ERR or its deadline.
+  All agent calls happen on the event-loop thread (the agent is created with thread sync NONE).
+- The sender registers the payload itself (zero copy) and keeps a reference until ``release``, which
+  deregisters it. The receiver registers its destination tensor only for the duration of one READ.
+- Validity: the sender answers ``{"op": "check"}`` on subjects.kv_pull(...) while the transfer is staged.
+  ``fetch`` checks before the READ (fast failure for released/unknown handles: "no responders") and after
+  it (the bytes were read while staged, so they are the payload, not reused memory).
+- ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) unless set in the environment.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+import os
+import time
+import uuid
+
+import msgpack
+import torch
+from nats import errors as nats_errors
+
+from shared import subjects
+from shared.errors import DeepinferError
+from shared.kv.transport import (KVTransport, check_payload, dtype_name, output_tensor, sync_with_server,
+                                 transfer_failed, unsubscribe_quietly)
+
+log = logging.getLogger(__name__)
+
+_API = None
+_IMPORT_ERROR: str | None = None
+
+
+def _nixl_api():
+    """The ``nixl._api`` module (or a CUDA-variant wheel's), or None; the failure reason goes to _IMPORT_ERROR."""
+    global _API, _IMPORT_ERROR
+    if _API is None and _IMPORT_ERROR is None:
+        errors = []
+        for mod in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+            try:
+                _API = importlib.import_module(mod)
+                break
+            except Exception as exc:  # noqa: BLE001 - ImportError, or a broken native library
+                errors.append(f"{mod}: {exc!r}")
+        if _API is None:
+            _IMPORT_ERROR = "; ".join(errors)
+    return _API
+
+
 def nixl_available() -> bool:
-    return False
+    return _nixl_api() is not None
+
+
+class NixlTransport(KVTransport):
+    name = "nixl"
+
+    def __init__(self, nc, worker_id: str, *, poll_interval: float = 0.0005, check_timeout: float = 2.0,
+                 **kwargs) -> None:
+        super().__init__(nc, worker_id, **kwargs)
+        api = _nixl_api()
+        if api is None:
+            raise transfer_failed(f"NIXL is not installed or does not load here: {_IMPORT_ERROR}")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        self.poll_interval = poll_interval
+        self.check_timeout = check_timeout
+        self.agent_name = f"{subjects.safe_token(worker_id)}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(enable_prog_thread=False,
+                                                                               backends=[]))
+            self.agent.create_backend("UCX", {})
+        except Exception as exc:
+            raise transfer_failed(f"cannot start a NIXL agent with the UCX backend: {exc!r}") from exc
+        self._staged: dict[str, tuple[torch.Tensor, object, object]] = {}  # tid -> (payload, reg, sub)
+        self._remote_md: dict[str, bytes] = {}         # peer agent name -> last metadata loaded
+        self._progress_task: asyncio.Task | None = None
+        self.notified: set[str] = set()                # transfer ids whose READ the receiver reported done
+
+    def subject_for(self, transfer_id: str) -> str:
+        return subjects.kv_pull(subjects.safe_token(f"{self.worker_id}-nixl-{transfer_id}"))
+
+    # ---------------------------------------------------------------- sender
+    async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
+        self._check_open()
+        payload = check_payload(payload)                       # [n, L, 2, bs, kvh, D] contiguous CPU
+        if transfer_id in self._staged:
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        nbytes = payload.numel() * payload.element_size()
+        await self.budget.acquire(nbytes, self.stage_timeout)
+        subject = self.subject_for(transfer_id)
+        reg = sub = None
+        try:
+            if nbytes:
+                reg = self.agent.register_memory(payload)
+            self._staged[transfer_id] = (payload, reg, None)
+            md = self.agent.get_agent_metadata()
+            sub = await self.nc.subscribe(subject, cb=functools.partial(self._serve, transfer_id))
+            self._staged[transfer_id] = (payload, reg, sub)
+            await sync_with_server(self.nc, self.stage_timeout)
+        except Exception as exc:
+            if transfer_id not in self._staged:
+                if reg is not None:
+                    self.agent.deregister_memory(reg)
+                await self.budget.release(nbytes)
+            else:
+                await self.release(transfer_id)
+            raise transfer_failed(f"cannot stage transfer {transfer_id!r} with NIXL: {exc!r}") from exc
+        self._ensure_progress()
+        return {"transport": self.name, "agent": self.agent_name, "md": md, "addr": int(payload.data_ptr()),
+                "subject": subject, "nbytes": nbytes, "dtype": dtype_name(payload.dtype),
+                "shape": list(payload.shape)}
+
+    async def _serve(self, transfer_id: str, msg) -> None:
+        if msg.reply:
+            ok = transfer_id in self._staged
+            try:
+                await self.nc.publish(msg.reply, msgpack.packb({"ok": ok}))
+            except Exception as exc:  # noqa: BLE001 - the receiver times out
+                log.warning("nixl: check reply for %s failed: %r", transfer_id, exc)
+
+    def _ensure_progress(self) -> None:
+        if self._progress_task is None or self._progress_task.done():
+            self._progress_task = asyncio.ensure_future(self._progress())
+
+    async def _progress(self) -> None:
+        """Drive the sender agent (no progress thread) while transfers are staged; collect READ notifs."""
+        while self._staged and not self.closed:
+            try:
+                for msgs in self.agent.get_new_notifs().values():
+                    self.notified.update(m.decode(errors="replace") for m in msgs)
+            except Exception as exc:  # noqa: BLE001 - keep driving; receivers time out on real failures
+                log.warning("nixl: progress failed: %r", exc)
+            await asyncio.sleep(self.poll_interval)
+
+    async def release(self, transfer_id: str) -> None:
+        entry = self._staged.pop(transfer_id, None)
+        self.notified.discard(transfer_id)
+        if entry is None:
+            return
+        payload, reg, sub = entry
+        if sub is not None:
+            await unsubscribe_quietly(self.nc, sub)
+        if reg is not None:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("nixl: deregister %s: %r", transfer_id, exc)
+        await self.budget.release(payload.numel() * payload.element_size())
+
+    # ---------------------------------------------------------------- receiver
+    async def _check(self, subject: str, deadline: float, when: str) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise transfer_failed(f"nixl: deadline passed {when}")
+        try:
+            msg = await self.nc.request(subject, msgpack.packb({"op": "check"}),
+                                        timeout=min(self.check_timeout, left))
+            ok = bool(msgpack.unpackb(msg.data).get("ok"))
+        except nats_errors.NoRespondersError:
+            ok = False
+        except Exception as exc:  # noqa: BLE001 - timeout, connection closed, bad reply
+            raise transfer_failed(f"nixl: sender check {when} on {subject} failed: {exc!r}") from exc
+        if not ok:
+            raise transfer_failed(f"nixl: transfer on {subject} is not staged {when} (released or unknown)")
+
+    async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
+        self._check_open()
+        result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
+        nbytes = int(handle["nbytes"])
+        if nbytes == 0:
+            return result
+        try:
+            peer, md, addr, subject = str(handle["agent"]), bytes(handle["md"]), int(handle["addr"]), \
+                str(handle["subject"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise transfer_failed(f"malformed nixl handle: {exc!r}") from None
+        deadline = time.monotonic() + timeout
+        await self._check(subject, deadline, "before the READ")
+        reg = xfer = None
+        try:
+            if self._remote_md.get(peer) != md:
+                loaded = self.agent.add_remote_agent(md)
+                if (loaded.decode() if isinstance(loaded, bytes) else str(loaded)) != peer:
+                    raise transfer_failed(f"nixl: metadata in the handle is not agent {peer!r}'s")
+                self._remote_md[peer] = md
+            reg = self.agent.register_memory(result)
+            local = self.agent.get_xfer_descs(result)
+            remote = self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+            xfer = self.agent.initialize_xfer("READ", local, remote, peer, subject.encode())
+            state, spins = self.agent.transfer(xfer), 0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise transfer_failed(f"nixl: READ of {nbytes} B from {peer} timed out after {timeout:.1f} s")
+                spins += 1
+                await asyncio.sleep(0 if spins < 64 else self.poll_interval)
+                state = self.agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise transfer_failed(f"nixl: READ of {nbytes} B from {peer} failed (state {state})")
+        except DeepinferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - nixl binding errors
+            raise transfer_failed(f"nixl: READ from {peer} failed: {exc!r}") from exc
+        finally:
+            if xfer is not None:
+                try:
+                    self.agent.release_xfer_handle(xfer)
+                except Exception as exc:  # noqa: BLE001 - a stuck transfer cannot always be cancelled
+                    log.warning("nixl: releasing transfer handle: %r", exc)
+            if reg is not None:
+                self.agent.deregister_memory(reg)
+        await self._check(subject, deadline, "after the READ")
+        return result
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        for tid in list(self._staged):
+            await self.release(tid)
+        self.closed = True
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            await asyncio.gather(self._progress_task, return_exceptions=True)
+        for peer in list(self._remote_md):
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("nixl: remove_remote_agent %s: %r", peer, exc)
+        self._remote_md.clear()

@@ -29,7 +29,7 @@ from nats import errors as nats_errors
 
 from shared import subjects
 from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, output_tensor,
-                                 transfer_failed)
+                                 sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,7 @@ class StreamTransport(KVTransport):
         subject = self.subject_for(transfer_id)
         try:
             entry.sub = await self.nc.subscribe(subject, cb=functools.partial(self._serve, entry))
-            # Twice: nats-py 2.16 writes PING straight to the socket, ahead of a SUB still in its pending
-            # buffer, so one PONG does not prove the server has the subscription; the second one does.
-            await self.nc.flush(timeout=self.stage_timeout)
-            await self.nc.flush(timeout=self.stage_timeout)
+            await sync_with_server(self.nc, self.stage_timeout)
         except Exception as exc:
             await self.release(transfer_id)
             raise transfer_failed(f"cannot serve transfer {transfer_id!r} on {subject}: {exc!r}") from exc
@@ -124,10 +121,7 @@ class StreamTransport(KVTransport):
         if entry is None:
             return
         if entry.sub is not None:
-            try:
-                await entry.sub.unsubscribe()
-            except Exception as exc:  # noqa: BLE001 - connection closed: the subscription is gone anyway
-                log.debug("stream: unsubscribe %s: %r", transfer_id, exc)
+            await unsubscribe_quietly(self.nc, entry.sub)
         await self.budget.release(entry.nbytes)
 
     # ---------------------------------------------------------------- receiver

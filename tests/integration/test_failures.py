@@ -1,0 +1,92 @@
+"""Fault injection with real processes: SIGKILL a decode worker mid-stream, restart nats-server."""
+import asyncio
+import time
+
+import pytest
+
+from services.client import generate, generate_stream
+from services.launcher import Cluster, ClusterSpec
+from shared import protocol
+from shared.errors import DeepinferError, ErrorCode
+from tests.integration.conftest import connect
+from tests.model_factory import write_tiny_hf_folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=9, max_position_embeddings=4096)
+
+
+def long_request(i: int, timeout_s: float = 30.0) -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(request_id=f"long-{i}", prompt_token_ids=[5 + i, 6, 7, 8] * 10,
+                                    max_tokens=3000, temperature=0.0, ignore_eos=True, timeout_s=timeout_s)
+
+
+async def collect(nc, req):
+    """(worker-visible outcome, seconds): token count or the error code."""
+    t0 = time.monotonic()
+    n = 0
+    try:
+        async for chunk in generate_stream(nc, req):
+            n += len(chunk.token_ids)
+        return n, time.monotonic() - t0
+    except DeepinferError as err:
+        return err.code, time.monotonic() - t0
+
+
+async def test_sigkill_decode_worker_mid_stream(nats_server, folder):
+    cluster = Cluster(ClusterSpec(prefill=1, decode=2, nats_url=nats_server.url, model=str(folder),
+                                  kv_cache_mb=64, local_prefill_threshold=0,
+                                  dtype="float64"))
+    await cluster.start()
+    try:
+        nc = await connect(nats_server.url)
+        tasks = [asyncio.create_task(collect(nc, long_request(i))) for i in range(6)]
+        await asyncio.sleep(3.0)  # streams are flowing on both decode workers
+        cluster.kill("decode-0")
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=40)
+        lost = [r for r in results if r[0] == ErrorCode.WORKER_LOST]
+        done = [r for r in results if r[0] == 3000]
+        assert lost, f"requests on the killed worker must fail with worker_lost: {results}"
+        assert len(lost) + len(done) == len(results), results
+        assert all(seconds < 30 for _, seconds in results), "no client may wait past its timeout"
+        await asyncio.sleep(2.0)  # the router notices the dead worker
+        ids, _, usage = await generate(nc, protocol.GenerateRequest(prompt_token_ids=[9, 9, 9, 9] * 5, max_tokens=5,
+                                                                    temperature=0.0, ignore_eos=True))
+        assert len(ids) == 5  # the surviving workers keep serving
+        await nc.close()
+    finally:
+        cluster.stop()
+
+
+async def test_services_reconnect_after_nats_restart(folder):
+    from tests.integration.conftest import start_nats_server
+
+    server = start_nats_server()
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, nats_url=server.url, model=str(folder), kv_cache_mb=32,
+                                  local_prefill_threshold=0, dtype="float64"))
+    try:
+        await cluster.start()
+        req = protocol.GenerateRequest(prompt_token_ids=list(range(3, 40)), max_tokens=8, temperature=0.0,
+                                       ignore_eos=True, prefill_mode="remote")
+        nc = await connect(server.url)
+        before = (await generate(nc, req))[0]
+        await nc.close()
+        server.stop()
+        await asyncio.sleep(1.0)
+        server.restart()
+        await cluster.wait_healthy(["router", "prefill-0", "decode-0"], timeout=30)
+        nc = await connect(server.url)
+        after = None
+        for _ in range(20):  # the router needs a fresh heartbeat from each worker before it places work
+            try:
+                after = (await generate(nc, req))[0]
+                break
+            except DeepinferError as err:
+                assert err.code == ErrorCode.UNAVAILABLE, err
+                await asyncio.sleep(0.5)
+        await nc.close()
+        assert after == before
+    finally:
+        cluster.stop()
+        server.stop()

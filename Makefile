@@ -24,6 +24,8 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/kv_transfer.py
+	$(PY) benchmarks/e2e_services.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

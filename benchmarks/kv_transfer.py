@@ -66,15 +66,16 @@ async def _sender(url: str, transport: str, options: dict) -> None:
     import nats
     nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=2)
     tx = make_transport(transport, nc, f"bench-tx-{transport}", **options)
-    state: dict = {"cache": None, "key": None}
+    state: dict = {"cache": None}
     done = asyncio.Event()
+
+    async def on_prepare(msg) -> None:
+        req = msgpack.unpackb(msg.data)
+        state["cache"] = torch.randn(cache_shape(req["block_bytes"], 2 * req["nblocks"])).half()
+        await nc.publish(msg.reply, b"ok")
 
     async def on_stage(msg) -> None:
         req = msgpack.unpackb(msg.data)
-        key = (req["block_bytes"], req["nblocks"])
-        if state["key"] != key:
-            state["cache"] = torch.randn(cache_shape(req["block_bytes"], 2 * req["nblocks"])).half()
-            state["key"] = key
         cache = state["cache"]
         ids = torch.randperm(cache.shape[0])[: req["nblocks"]]       # scattered blocks
         t0 = time.perf_counter()
@@ -97,7 +98,7 @@ async def _sender(url: str, transport: str, options: dict) -> None:
     async def on_ping(msg) -> None:
         await nc.publish(msg.reply, b"pong")
 
-    for op, cb in (("stage", on_stage), ("release", on_release), ("stop", on_stop), ("ping", on_ping)):
+    for op, cb in (("prepare", on_prepare), ("stage", on_stage), ("release", on_release), ("stop", on_stop), ("ping", on_ping)):
         await nc.subscribe(ctl(op), cb=cb)
     await nc.flush(timeout=5)
     await nc.flush(timeout=5)
@@ -131,6 +132,8 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
             nblocks = total // block_bytes
             out = torch.empty(cache_shape(block_bytes, nblocks), dtype=torch.float16)
             out.zero_()                                               # pre-touched, like a worker's staging
+            await nc.request(ctl("prepare"), msgpack.packb({"block_bytes": block_bytes, "nblocks": nblocks}),
+                             timeout=120)
             hand, fetch, gather, stage, cold = [], [], [], [], None
             for r in range(warmup + rounds):
                 tid = f"r{block_bytes}-{r}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.attention import AttentionMetadata, PrefillChunk
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
 
@@ -47,3 +48,15 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype=torch.float64) -> d
 def tiny_model(seed: int = 0, dtype=torch.float64, **overrides) -> LlamaModel:
     config = tiny_config(**overrides)
     return LlamaModel(config, random_weights(config, seed, dtype), dtype, torch.device("cpu"))
+
+
+def all_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits ``[T, V]`` at every position of ``ids``, computed through the paged path in one chunk."""
+    c, n = model.config, len(ids)
+    num_blocks = -(-n // block_size)
+    kv = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0,
+                             decode_block_tables=torch.zeros(0, 0, dtype=torch.int32),
+                             decode_context_lens=torch.zeros(0, dtype=torch.int32),
+                             prefills=[PrefillChunk(0, n, n, torch.arange(num_blocks))], block_size=block_size)
+    return model.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.arange(n))

@@ -70,6 +70,18 @@ def check_payload(payload: torch.Tensor) -> torch.Tensor:
     return payload.contiguous()
 
 
+def check_blocks(kv_cache: torch.Tensor, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a block-major cache [num_blocks, ...] and block ids; returns (cache, ids as int64 [n])."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() < 1 or kv_cache.device.type != "cpu" \
+            or not kv_cache.is_contiguous():
+        raise transfer_failed("kv_cache must be a contiguous CPU tensor [num_blocks, ...]")
+    dtype_name(kv_cache.dtype)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
+        raise transfer_failed(f"block ids out of range [0, {kv_cache.shape[0]})")
+    return kv_cache, ids
+
+
 def handle_meta(handle: dict) -> tuple[torch.dtype, list[int], int]:
     """(dtype, shape, nbytes) from a handle, validated against each other."""
     if not isinstance(handle, dict):
@@ -163,6 +175,16 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         """Sender: make ``payload`` ([n, L, 2, bs, kvh, D], any shape) fetchable; return its handle."""
+
+    async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
+        """Sender: stage ``kv_cache[block_ids]`` (cache [num_blocks, L, 2, bs, kvh, D] -> payload [n, ...]).
+
+        Same handle and contract as ``stage``; transports override it to gather straight into their staging
+        (shm) or to read the blocks in place (nixl), skipping the intermediate payload tensor. The blocks must
+        not be modified until ``release``.
+        """
+        cache, ids = check_blocks(kv_cache, block_ids)
+        return await self.stage(cache.index_select(0, ids), transfer_id)
 
     @abc.abstractmethod
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:

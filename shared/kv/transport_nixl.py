@@ -34,8 +34,8 @@ from nats import errors as nats_errors
 
 from shared import subjects
 from shared.errors import DeepinferError
-from shared.kv.transport import (KVTransport, check_payload, dtype_name, output_tensor, sync_with_server,
-                                 transfer_failed, unsubscribe_quietly)
+from shared.kv.transport import (KVTransport, check_blocks, check_payload, dtype_name, output_tensor,
+                                 sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class NixlTransport(KVTransport):
             self.agent.create_backend("UCX", {})
         except Exception as exc:
             raise transfer_failed(f"cannot start a NIXL agent with the UCX backend: {exc!r}") from exc
-        self._staged: dict[str, tuple[torch.Tensor, object, object]] = {}  # tid -> (payload, reg, sub)
+        self._staged: dict[str, tuple] = {}            # tid -> (payload or cache, own reg or None, sub, nbytes)
+        self._cache_regs: dict[tuple[int, int], tuple] = {}   # (ptr, nbytes) -> (kv_cache, reg), until close
         self._remote_md: dict[str, bytes] = {}         # peer agent name -> last metadata loaded
         self._progress_task: asyncio.Task | None = None
         self.notified: set[str] = set()                # transfer ids whose READ the receiver reported done
@@ -103,10 +104,10 @@ class NixlTransport(KVTransport):
         try:
             if nbytes:
                 reg = self.agent.register_memory(payload)
-            self._staged[transfer_id] = (payload, reg, None)
+            self._staged[transfer_id] = (payload, reg, None, nbytes)
             md = self.agent.get_agent_metadata()
             sub = await self.nc.subscribe(subject, cb=functools.partial(self._serve, transfer_id))
-            self._staged[transfer_id] = (payload, reg, sub)
+            self._staged[transfer_id] = (payload, reg, sub, nbytes)
             await sync_with_server(self.nc, self.stage_timeout)
         except Exception as exc:
             if transfer_id not in self._staged:
@@ -120,6 +121,37 @@ class NixlTransport(KVTransport):
         return {"transport": self.name, "agent": self.agent_name, "md": md, "addr": int(payload.data_ptr()),
                 "subject": subject, "nbytes": nbytes, "dtype": dtype_name(payload.dtype),
                 "shape": list(payload.shape)}
+
+    async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
+        """Zero copy: register the whole cache once; the receiver READs the n blocks where they are."""
+        self._check_open()
+        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, L, 2, bs, kvh, D], [n]
+        if transfer_id in self._staged:
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        key = (cache.data_ptr(), cache.numel() * cache.element_size())
+        if key not in self._cache_regs and key[1]:
+            try:
+                self._cache_regs[key] = (cache, self.agent.register_memory(cache))
+            except Exception as exc:
+                raise transfer_failed(f"nixl: cannot register the KV cache: {exc!r}") from exc
+        block_bytes = key[1] // max(cache.shape[0], 1)
+        nbytes = block_bytes * int(ids.numel())
+        await self.budget.acquire(nbytes, self.stage_timeout)  # bounds outstanding transfers, not memory
+        subject = self.subject_for(transfer_id)
+        self._staged[transfer_id] = (cache, None, None, nbytes)
+        try:
+            sub = await self.nc.subscribe(subject, cb=functools.partial(self._serve, transfer_id))
+            self._staged[transfer_id] = (cache, None, sub, nbytes)
+            await sync_with_server(self.nc, self.stage_timeout)
+        except Exception as exc:
+            await self.release(transfer_id)
+            raise transfer_failed(f"cannot stage transfer {transfer_id!r} with NIXL: {exc!r}") from exc
+        self._ensure_progress()
+        base = cache.data_ptr()
+        return {"transport": self.name, "agent": self.agent_name, "md": self.agent.get_agent_metadata(),
+                "addr": base, "addrs": [base + int(i) * block_bytes for i in ids.tolist()],
+                "block_bytes": block_bytes, "subject": subject, "nbytes": nbytes,
+                "dtype": dtype_name(cache.dtype), "shape": [int(ids.numel()), *cache.shape[1:]]}
 
     async def _serve(self, transfer_id: str, msg) -> None:
         if msg.reply:
@@ -148,7 +180,7 @@ class NixlTransport(KVTransport):
         self.notified.discard(transfer_id)
         if entry is None:
             return
-        payload, reg, sub = entry
+        _, reg, sub, nbytes = entry
         if sub is not None:
             await unsubscribe_quietly(self.nc, sub)
         if reg is not None:
@@ -156,7 +188,7 @@ class NixlTransport(KVTransport):
                 self.agent.deregister_memory(reg)
             except Exception as exc:  # noqa: BLE001
                 log.warning("nixl: deregister %s: %r", transfer_id, exc)
-        await self.budget.release(payload.numel() * payload.element_size())
+        await self.budget.release(nbytes)
 
     # ---------------------------------------------------------------- receiver
     async def _check(self, subject: str, deadline: float, when: str) -> None:
@@ -196,7 +228,16 @@ class NixlTransport(KVTransport):
                 self._remote_md[peer] = md
             reg = self.agent.register_memory(result)
             local = self.agent.get_xfer_descs(result)
-            remote = self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+            if "addrs" in handle:                              # blocks read in place: one descriptor each
+                bb = int(handle["block_bytes"])
+                if bb * len(handle["addrs"]) != nbytes:
+                    raise transfer_failed("nixl handle: addrs x block_bytes != nbytes")
+                base = result.data_ptr()
+                local = self.agent.get_xfer_descs([(base + j * bb, bb, 0) for j in range(len(handle["addrs"]))],
+                                                  "DRAM")
+                remote = self.agent.get_xfer_descs([(int(a), bb, 0) for a in handle["addrs"]], "DRAM")
+            else:
+                remote = self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
             xfer = self.agent.initialize_xfer("READ", local, remote, peer, subject.encode())
             state, spins = self.agent.transfer(xfer), 0
             while state == "PROC":
@@ -237,3 +278,9 @@ class NixlTransport(KVTransport):
             except Exception as exc:  # noqa: BLE001
                 log.debug("nixl: remove_remote_agent %s: %r", peer, exc)
         self._remote_md.clear()
+        for _, reg in self._cache_regs.values():
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("nixl: deregister cache: %r", exc)
+        self._cache_regs.clear()

@@ -27,8 +27,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, output_tensor,
-                                 transfer_failed)
+from shared.kv.transport import (KVTransport, as_bytes, check_blocks, check_payload, dtype_name,
+                                 output_tensor, transfer_failed)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
     import _posixshmem
@@ -147,11 +147,31 @@ class ShmTransport(KVTransport):
             self._free.setdefault(seg.capacity, []).append(seg)
 
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
-        self._check_open()
         payload = check_payload(payload)                      # [n, L, 2, bs, kvh, D] contiguous CPU
+        src = as_bytes(payload)
+        return await self._stage_into(transfer_id, payload.dtype, list(payload.shape),
+                                      lambda dst: _copy(dst, src))
+
+    async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
+        """Gather ``kv_cache[block_ids]`` straight into the segment: one copy, no intermediate tensor."""
+        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, L, 2, bs, kvh, D], [n]
+        shape = [int(ids.numel()), *cache.shape[1:]]
+
+        async def gather(dst: torch.Tensor) -> None:
+            out = dst.view(cache.dtype).view(shape)           # [n, L, 2, bs, kvh, D] inside the segment
+            if dst.numel() >= THREAD_COPY_BYTES:
+                await asyncio.to_thread(torch.index_select, cache, 0, ids, out=out)
+            else:
+                torch.index_select(cache, 0, ids, out=out)
+
+        return await self._stage_into(transfer_id, cache.dtype, shape, gather)
+
+    async def _stage_into(self, transfer_id: str, dtype: torch.dtype, shape: list[int], fill) -> dict:
+        """Reserve budget and a segment, ``await fill(seg bytes [nbytes])``, publish the token."""
+        self._check_open()
         if transfer_id in self._staged:
             raise transfer_failed(f"transfer {transfer_id!r} is already staged")
-        nbytes = payload.numel() * payload.element_size()
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         await self.budget.acquire(nbytes, self.stage_timeout)
         try:
             seg = self._take_segment(nbytes)
@@ -160,7 +180,8 @@ class ShmTransport(KVTransport):
             raise transfer_failed(f"cannot create shm segment for {nbytes} B: {exc}") from exc
         self._staged[transfer_id] = (seg, nbytes)
         try:
-            await _copy(seg.data[:nbytes], as_bytes(payload))
+            if nbytes:
+                await fill(seg.data[:nbytes])
         except BaseException:
             await self.release(transfer_id)
             raise
@@ -168,7 +189,7 @@ class ShmTransport(KVTransport):
         seg.header[2] = nbytes
         seg.header[1] = token                                 # publish only after the bytes are in place
         return {"transport": self.name, "segment": seg.name, "token": token, "offset": HEADER_BYTES,
-                "nbytes": nbytes, "dtype": dtype_name(payload.dtype), "shape": list(payload.shape)}
+                "nbytes": nbytes, "dtype": dtype_name(dtype), "shape": shape}
 
     async def release(self, transfer_id: str) -> None:
         entry = self._staged.pop(transfer_id, None)

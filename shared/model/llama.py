@@ -1,4 +1,4 @@
-"""LLaMA-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""LLaMA-family decoder (Llama 1-3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 RMSNorm → GQA attention with RoPE (fused QKV projection, optional Q/K/V bias, optional per-layer sliding
 window) → residual → RMSNorm → SwiGLU MLP (fused gate/up) → residual; final RMSNorm; LM head (tied or not)
@@ -29,6 +29,8 @@ class LayerWeights:
     gate_up: torch.Tensor  # [2 * ffn, hidden]
     down: torch.Tensor  # [hidden, ffn]
     sliding_window: int | None
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,6 +73,8 @@ class LlamaModel:
                 gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                 down=take(p + "mlp.down_proj.weight"),
                 sliding_window=config.layer_sliding_windows[i],
+                q_norm=take(a + "q_norm.weight") if a + "q_norm.weight" in weights else None,
+                k_norm=take(a + "k_norm.weight") if a + "k_norm.weight" in weights else None,
             ))
         self.cos, self.sin = build_rope_cache(config, dtype, device)  # [P, D] each
         self.scale = config.head_dim ** -0.5
@@ -88,8 +92,11 @@ class LlamaModel:
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, H, D]
-            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, kvh, D]
+            q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = apply_rope(q, cos, sin)  # [T, H, D]
+            k = apply_rope(k, cos, sin)  # [T, kvh, D]
             v = v.view(-1, c.num_kv_heads, c.head_dim)
             o = attend(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.scale, layer.sliding_window)
             h = h + F.linear(o.flatten(1), layer.o_proj)

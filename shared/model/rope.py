@@ -59,6 +59,8 @@ def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3" and scaling.get("freq_factors"):  # GGUF: llama.cpp's per-frequency divisors
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif kind == "dynamic":  # static NTK at the full context, as vLLM does

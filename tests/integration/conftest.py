@@ -45,3 +45,13 @@ async def nc(nats_server):
         yield client
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def nc2(nats_server):
+    """A second, independent connection (e.g. the receiving worker's), closed at test teardown."""
+    client = await connect(nats_server.url)
+    try:
+        yield client
+    finally:
+        await client.close()

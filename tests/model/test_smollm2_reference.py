@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from shared.engine.attention import AttentionMetadata, PrefillChunk
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.llama import LlamaModel
 from shared.model.loader import load_model_files
 from shared.model.locate import default_model_path
+from tests.tiny_model import all_logits
 
 pytestmark = pytest.mark.slow
 
@@ -35,18 +35,6 @@ def hf_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32)
     return model.eval()
-
-
-def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """Logits at every position, computed through the paged path in one chunk."""
-    c, bs, n = model.config, 16, len(ids)
-    num_blocks = -(-n // bs)
-    kv = torch.zeros(num_blocks, c.num_layers, 2, bs, c.num_kv_heads, c.head_dim)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0,
-                             decode_block_tables=torch.zeros(0, 0, dtype=torch.int32),
-                             decode_context_lens=torch.zeros(0, dtype=torch.int32),
-                             prefills=[PrefillChunk(0, n, n, torch.arange(num_blocks))], block_size=bs)
-    return model.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.arange(n))
 
 
 def test_logits_match_hf_transformers(ours, hf_model):

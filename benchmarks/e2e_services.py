@@ -1,0 +1,93 @@
+"""End-to-end: the disaggregated services (router → prefill → decode over NATS) vs the in-process engine on
+the same prompts, all submitted at once. Prints output tokens/s, TTFT p50/p99 for both, and their ratios.
+
+    python benchmarks/e2e_services.py --limit 16 --new-tokens 32 [--mode remote|local] [--transport shm]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+from services.client import generate_stream
+from services.launcher import Cluster, ClusterSpec
+from shared import protocol
+from shared.bus import connect
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+
+PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def in_process(prompts, new_tokens) -> tuple[float, list[float], int]:
+    engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    ttft, n_out = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            n_out += len(out.new_token_ids)
+            ttft.setdefault(out.request_id, time.perf_counter() - t0)
+    return time.perf_counter() - t0, [ttft[i] for i in ids], n_out
+
+
+async def through_services(prompts, new_tokens, mode, transport) -> tuple[float, list[float], int]:
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, kv_cache_mb=512, local_prefill_threshold=0))
+    await cluster.start()
+    try:
+        nc = await connect(cluster.nats_url, "bench")
+
+        async def one(i, p):
+            req = protocol.GenerateRequest(request_id=f"b{i}", prompt_token_ids=p, max_tokens=new_tokens,
+                                           temperature=0.0, ignore_eos=True, timeout_s=1800,
+                                           prefill_mode=mode, transport=transport if mode == "remote" else "")
+            first, n = None, 0
+            async for chunk in generate_stream(nc, req):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - t0
+                n += len(chunk.token_ids)
+            return first, n
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t0
+        await nc.close()
+        return wall, [r[0] for r in results], sum(r[1] for r in results)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--mode", default="remote", choices=["remote", "local"])
+    ap.add_argument("--transport", default="shm")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    prompts = [p["token_ids"] for p in json.loads(PROMPTS.read_text())["prompts"][:args.limit]]
+    svc_wall, svc_ttft, svc_out = asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport))
+    eng_wall, eng_ttft, eng_out = in_process(prompts, args.new_tokens)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each")
+    for name, wall, ttft, n in (("in-process engine", eng_wall, eng_ttft, eng_out),
+                                (f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})",
+                                 svc_wall, svc_ttft, svc_out)):
+        print(f"{name:28s}: {n / wall:6.1f} output tok/s  TTFT p50 {statistics.median(ttft) * 1000:7.0f} ms"
+              f"  p99 {pct(ttft, 0.99) * 1000:7.0f} ms")
+    print(f"ratio services / engine: throughput {svc_out / svc_wall / (eng_out / eng_wall):.2f}x, "
+          f"TTFT p50 {statistics.median(svc_ttft) / statistics.median(eng_ttft):.2f}x")
+
+
+if __name__ == "__main__":
+    main()

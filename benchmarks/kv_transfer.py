@@ -6,9 +6,11 @@ The receiver (this process) asks for a round over NATS, gets the handle, fetches
 tensor (as a decode worker does into its staging), then tells the sender to release.
 
 Reported per transport and block size (medians over ``--rounds`` after ``--warmup`` rounds):
-- ``hand-off``: request -> handle -> fetched, minus the sender's gather (same for every transport):
-  the sender's stage, the NATS round trip carrying the handle, and the receiver's fetch.
-- ``fetch``: the receiver's fetch alone.  GB/s = 64 MiB / time; ratio = GB/s / memcpy GB/s.
+- ``total``: request -> handle -> fetched: the sender's gather (``kv_cache[ids]``) and ``stage``, or
+  ``stage_blocks`` (the transport gathers into its staging / reads blocks in place), the NATS round trip
+  carrying the handle, and the receiver's ``fetch`` into a preallocated buffer.
+- ``fetch``: the receiver's fetch alone. GB/s = bytes / time; ``vs copy`` = GB/s / torch-copy GB/s.
+- ``cold``: the very first round (segment creation, UCX wire-up), not in the medians.
 The baselines are one-process copies of the same bytes: ``torch copy_`` and ``numpy copyto`` (memcpy)
 between preallocated contiguous tensors, and the gather ``kv_cache[block_ids]`` itself.
 The benchmark starts its own nats-server (shared/nats_server.py). Usage:
@@ -79,11 +81,15 @@ async def _sender(url: str, transport: str, options: dict) -> None:
         cache = state["cache"]
         ids = torch.randperm(cache.shape[0])[: req["nblocks"]]       # scattered blocks
         t0 = time.perf_counter()
-        payload = cache[ids]                                          # [n, L, 2, bs, kvh, D] contiguous
-        t1 = time.perf_counter()
-        handle = await tx.stage(payload, req["tid"])
+        if req["mode"] == "blocks":                                   # the transport gathers (or reads in place)
+            t1 = t0
+            handle = await tx.stage_blocks(cache, ids, req["tid"])
+        else:
+            payload = cache[ids]                                      # [n, L, 2, bs, kvh, D] contiguous
+            t1 = time.perf_counter()
+            handle = await tx.stage(payload, req["tid"])
         t2 = time.perf_counter()
-        crc = zlib.crc32(payload.view(-1).view(torch.uint8).numpy()) if req.get("verify") else 0
+        crc = zlib.crc32(cache[ids].view(-1).view(torch.uint8).numpy()) if req.get("verify") else 0
         await nc.publish(msg.reply, msgpack.packb({"handle": handle, "gather_s": t1 - t0, "stage_s": t2 - t1,
                                                    "crc": crc}))
 
@@ -128,7 +134,7 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
                 if time.monotonic() > deadline or not proc.is_alive():
                     raise RuntimeError(f"{transport} sender process did not come up")
                 await asyncio.sleep(0.2)
-        for block_bytes in block_sizes:
+        for mode, block_bytes in [(m, b) for m in ("payload", "blocks") for b in block_sizes]:
             nblocks = total // block_bytes
             out = torch.empty(cache_shape(block_bytes, nblocks), dtype=torch.float16)
             out.zero_()                                               # pre-touched, like a worker's staging
@@ -136,11 +142,11 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
                              timeout=120)
             hand, fetch, gather, stage, cold = [], [], [], [], None
             for r in range(warmup + rounds):
-                tid = f"r{block_bytes}-{r}"
+                tid = f"{mode}{block_bytes}-{r}"
                 verify = r == warmup                                  # check one round end to end
                 t0 = time.perf_counter()
                 rep = msgpack.unpackb((await nc.request(ctl("stage"), msgpack.packb(
-                    {"tid": tid, "block_bytes": block_bytes, "nblocks": nblocks, "verify": verify}),
+                    {"tid": tid, "block_bytes": block_bytes, "nblocks": nblocks, "verify": verify, "mode": mode}),
                     timeout=60)).data)
                 t1 = time.perf_counter()
                 got = await rx.fetch(rep["handle"], out=out, timeout=60)
@@ -152,14 +158,14 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
                 if r == 0:
                     cold = t2 - t0
                 if r >= warmup:
-                    hand.append(t2 - t0 - rep["gather_s"])
+                    hand.append(t2 - t0)
                     fetch.append(t2 - t1)
                     gather.append(rep["gather_s"])
                     stage.append(rep["stage_s"])
-            rows.append({"transport": transport, "block": block_bytes, "hand": statistics.median(hand),
+            rows.append({"transport": transport, "mode": mode, "block": block_bytes, "hand": statistics.median(hand),
                          "fetch": statistics.median(fetch), "gather": statistics.median(gather),
                          "stage": statistics.median(stage), "cold": cold})
-            log.info("%s %d KiB done", transport, block_bytes // 1024)
+            log.info("%s %s %d KiB done", transport, mode, block_bytes // 1024)
     finally:
         try:
             await nc.request(ctl("stop"), b"", timeout=10)
@@ -204,6 +210,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--stream-chunk-kib", type=int, default=1024)
     ap.add_argument("--stream-inflight", type=int, default=4)
+    ap.add_argument("--nixl-poll-ms", type=float, default=0.5, help="NIXL progress/poll interval")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)                                          # same for every path, sender and receiver
@@ -217,21 +224,27 @@ def main() -> None:
             opts = {"max_staged_bytes": 4 * total}
             if name == "stream":
                 opts.update(chunk_bytes=args.stream_chunk_kib * 1024, max_inflight=args.stream_inflight)
+            if name == "nixl":
+                opts.update(poll_interval=args.nixl_poll_ms / 1e3)
             rows += asyncio.run(run_transport(server.url, name, blocks, total, args.rounds, args.warmup, opts))
     finally:
         server.stop()
     ref = total / base["torch copy_"] / 1e9
     print(f"\nKV transfer, {args.mib} MiB fp16 per hand-off, sender and receiver in separate processes, "
-          f"1 torch thread each, {os.cpu_count()} CPUs; medians of {args.rounds} rounds")
-    print(f"{'path':<38}{'block':>8}{'ms':>9}{'GB/s':>8}{'vs copy':>9}{'fetch GB/s':>12}{'stage ms':>10}"
-          f"{'gather ms':>11}{'cold ms':>9}")
+          f"1 torch thread each, {os.cpu_count()} CPUs; medians of {args.rounds} rounds after {args.warmup} warm-up")
+    print("total = sender's cache blocks -> receiver's preallocated buffer: [gather +] stage + handle over NATS + fetch")
+    hdr = f"{'path':<34}{'block':>7}{'total ms':>10}{'GB/s':>7}{'vs copy':>9}{'gather ms':>11}{'stage ms':>10}" \
+          f"{'fetch ms':>10}{'fetch GB/s':>12}{'cold ms':>9}"
+    print(hdr)
+    print("-" * len(hdr))
     for label, sec in base.items():
-        print(f"{label:<38}{'-':>8}{sec * 1e3:9.2f}{total / sec / 1e9:8.2f}{total / sec / 1e9 / ref:9.2f}")
+        print(f"{label:<34}{'-':>7}{sec * 1e3:10.2f}{total / sec / 1e9:7.2f}{total / sec / 1e9 / ref:9.2f}")
     for r in rows:
         gbs = total / r["hand"] / 1e9
-        print(f"{r['transport'] + ' hand-off':<38}{r['block'] // 1024:>6}Ki{r['hand'] * 1e3:9.2f}{gbs:8.2f}"
-              f"{gbs / ref:9.2f}{total / r['fetch'] / 1e9:12.2f}{r['stage'] * 1e3:10.2f}"
-              f"{r['gather'] * 1e3:11.2f}{r['cold'] * 1e3:9.1f}")
+        label = f"{r['transport']} " + ("stage_blocks" if r["mode"] == "blocks" else "gather+stage")
+        print(f"{label:<34}{r['block'] // 1024:>5}Ki{r['hand'] * 1e3:10.2f}{gbs:7.2f}{gbs / ref:9.2f}"
+              f"{r['gather'] * 1e3:11.2f}{r['stage'] * 1e3:10.2f}{r['fetch'] * 1e3:10.2f}"
+              f"{total / r['fetch'] / 1e9:12.2f}{r['cold'] * 1e3:9.1f}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from shared import subjects
-from shared.kv.transport import available_transports, make_transport
+from shared.kv.transport import available_transports, make_transport, sync_with_server
 from shared.nats_server import start_embedded_server
 
 log = logging.getLogger("bench.kv")
@@ -104,10 +104,10 @@ async def _sender(url: str, transport: str, options: dict) -> None:
     async def on_ping(msg) -> None:
         await nc.publish(msg.reply, b"pong")
 
-    for op, cb in (("prepare", on_prepare), ("stage", on_stage), ("release", on_release), ("stop", on_stop), ("ping", on_ping)):
+    for op, cb in (("prepare", on_prepare), ("stage", on_stage), ("release", on_release), ("stop", on_stop),
+                   ("ping", on_ping)):
         await nc.subscribe(ctl(op), cb=cb)
-    await nc.flush(timeout=5)
-    await nc.flush(timeout=5)
+    await sync_with_server(nc, 5)
     try:
         await asyncio.wait_for(done.wait(), 3600)
     finally:
@@ -232,7 +232,8 @@ def main() -> None:
     ref = total / base["torch copy_"] / 1e9
     print(f"\nKV transfer, {args.mib} MiB fp16 per hand-off, sender and receiver in separate processes, "
           f"1 torch thread each, {os.cpu_count()} CPUs; medians of {args.rounds} rounds after {args.warmup} warm-up")
-    print("total = sender's cache blocks -> receiver's preallocated buffer: [gather +] stage + handle over NATS + fetch")
+    print("total = sender's cache blocks -> receiver's preallocated buffer: "
+          "[gather +] stage + handle over NATS + fetch")
     hdr = f"{'path':<34}{'block':>7}{'total ms':>10}{'GB/s':>7}{'vs copy':>9}{'gather ms':>11}{'stage ms':>10}" \
           f"{'fetch ms':>10}{'fetch GB/s':>12}{'cold ms':>9}"
     print(hdr)

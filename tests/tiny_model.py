@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine import kv_cache
 from shared.engine.attention import AttentionMetadata, PrefillChunk
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
@@ -54,7 +55,7 @@ def all_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> torch
     """Logits ``[T, V]`` at every position of ``ids``, computed through the paged path in one chunk."""
     c, n = model.config, len(ids)
     num_blocks = -(-n // block_size)
-    kv = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+    kv = kv_cache.allocate(num_blocks, c, block_size, model.dtype, model.device)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0,
                              decode_block_tables=torch.zeros(0, 0, dtype=torch.int32),
                              decode_context_lens=torch.zeros(0, dtype=torch.int32),

@@ -2,7 +2,7 @@
 
 Export (prefill side): a request added with ``hold_kv=True`` and ``max_tokens=1`` finishes after its first
 token with its blocks still allocated; ``export_kv`` copies the blocks that hold the prompt's KV into one
-contiguous tensor ``[num_blocks, L, 2, block_size, kvh, D]``; ``LLMEngine.release_held`` then frees them.
+contiguous tensor ``[num_blocks, L, 2, kvh, block_size, D]``; ``LLMEngine.release_held`` then frees them.
 
 Import (decode side): ``import_prefilled`` creates the request with ``prompt + [first_token]`` as its tokens,
 reuses the decode engine's own prefix-cache hits, writes the remaining blocks from the payload and marks the
@@ -23,7 +23,7 @@ from shared.errors import DeepinferError, ErrorCode, invalid
 
 
 def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
-    """``[num_prompt_blocks, L, 2, block_size, kvh, D]`` copy of a held request's prompt KV."""
+    """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
     req = engine.held.get(request_id)
     if req is None:
         raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
@@ -33,14 +33,14 @@ def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
 
 
 def block_shape(engine: LLMEngine) -> list[int]:
-    """Shape of one KV block: ``[L, 2, block_size, kvh, D]``."""
+    """Shape of one KV block: ``[L, 2, kvh, block_size, D]``."""
     return list(engine.runner.kv_cache.shape[1:])
 
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
                      params: SamplingParams, kv: torch.Tensor, cache_salt: str = "") -> bool:
     """Admit a request prefilled elsewhere. Returns True if its KV was used, False if it was queued for
-    local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, block_size, kvh, D]``."""
+    local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
     engine.validate(prompt_token_ids, params)

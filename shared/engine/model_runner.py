@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from shared.engine.attention import AttentionMetadata, PrefillChunk
+from shared.engine import kv_cache
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampler import sample
 from shared.engine.scheduler import SchedulerOutput
@@ -19,10 +20,9 @@ from shared.model.llama import LlamaModel
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
         self.model, self.bm = model, block_manager
-        c = model.config
-        # kv_cache: [num_blocks, L, 2, block_size, kvh, D]; a block's bytes are contiguous (for transfer)
-        self.kv_cache = torch.zeros(block_manager.num_blocks, c.num_layers, 2, block_manager.block_size,
-                                    c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device)
+        # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/engine/kv_cache.py)
+        self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
+                                          model.dtype, model.device)
 
     def _prepare(self, out: SchedulerOutput):
         bs, device = self.bm.block_size, self.model.device

@@ -4,7 +4,9 @@ Available only when the NIXL Python package imports (``nixl``, or the ``nixl_cu1
 ``pip install --no-deps nixl-cu12``); ``nixl_available()`` says so and ``available_transports()`` follows it.
 
 Handle: {"transport": "nixl", "agent": sender agent name, "md": sender agent metadata (bytes),
-"addr": payload address in the sender, "subject": control subject, "nbytes", "dtype", "shape"}.
+"addr": payload address in the sender, "subject": control subject, "nbytes", "dtype", "shape"}; from
+``stage_blocks`` also "addrs" (one address per block, in order) and "block_bytes": the receiver READs the
+blocks in place from the sender's registered KV cache (zero copies on the sender, no gather).
 
 Invariants:
 - One NIXL agent per transport instance (unique name), progress thread OFF (3-5x faster on few cores), so
@@ -12,7 +14,8 @@ Invariants:
   (``poll_interval``), and ``fetch`` polls ``check_xfer_state`` until DONE/ERR or its deadline.
   All agent calls happen on the event-loop thread (the agent is created with thread sync NONE).
 - The sender registers the payload itself (zero copy) and keeps a reference until ``release``, which
-  deregisters it. The receiver registers its destination tensor only for the duration of one READ.
+  deregisters it; a KV cache passed to ``stage_blocks`` stays registered (and referenced) until ``close``.
+  The receiver registers its destination tensor only for the duration of one READ.
 - Validity: the sender answers ``{"op": "check"}`` on subjects.kv_pull(...) while the transfer is staged.
   ``fetch`` checks before the READ (fast failure for released/unknown handles: "no responders") and after
   it (the bytes were read while staged, so they are the payload, not reused memory).
@@ -86,7 +89,6 @@ class NixlTransport(KVTransport):
         self._cache_regs: dict[tuple[int, int], tuple] = {}   # (ptr, nbytes) -> (kv_cache, reg), until close
         self._remote_md: dict[str, bytes] = {}         # peer agent name -> last metadata loaded
         self._progress_task: asyncio.Task | None = None
-        self.notified: set[str] = set()                # transfer ids whose READ the receiver reported done
 
     def subject_for(self, transfer_id: str) -> str:
         return subjects.kv_pull(subjects.safe_token(f"{self.worker_id}-nixl-{transfer_id}"))
@@ -99,6 +101,9 @@ class NixlTransport(KVTransport):
             raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         nbytes = payload.numel() * payload.element_size()
         await self.budget.acquire(nbytes, self.stage_timeout)
+        if transfer_id in self._staged:                        # staged concurrently while we waited
+            await self.budget.release(nbytes)
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         subject = self.subject_for(transfer_id)
         reg = sub = None
         try:
@@ -137,6 +142,9 @@ class NixlTransport(KVTransport):
         block_bytes = key[1] // max(cache.shape[0], 1)
         nbytes = block_bytes * int(ids.numel())
         await self.budget.acquire(nbytes, self.stage_timeout)  # bounds outstanding transfers, not memory
+        if transfer_id in self._staged:
+            await self.budget.release(nbytes)
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         subject = self.subject_for(transfer_id)
         self._staged[transfer_id] = (cache, None, None, nbytes)
         try:
@@ -166,18 +174,16 @@ class NixlTransport(KVTransport):
             self._progress_task = asyncio.ensure_future(self._progress())
 
     async def _progress(self) -> None:
-        """Drive the sender agent (no progress thread) while transfers are staged; collect READ notifs."""
+        """Drive the sender agent (no progress thread) while transfers are staged."""
         while self._staged and not self.closed:
             try:
-                for msgs in self.agent.get_new_notifs().values():
-                    self.notified.update(m.decode(errors="replace") for m in msgs)
+                self.agent.get_new_notifs()            # progresses UCX; the READ notifs themselves are unused
             except Exception as exc:  # noqa: BLE001 - keep driving; receivers time out on real failures
                 log.warning("nixl: progress failed: %r", exc)
             await asyncio.sleep(self.poll_interval)
 
     async def release(self, transfer_id: str) -> None:
         entry = self._staged.pop(transfer_id, None)
-        self.notified.discard(transfer_id)
         if entry is None:
             return
         _, reg, sub, nbytes = entry

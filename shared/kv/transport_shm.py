@@ -9,9 +9,10 @@ Invariants:
   registers them with ``multiprocessing.resource_tracker``: it can neither unlink nor "leak-warn" them.
 - Capacities are powers of two (>= ``min_segment_bytes``); free segments are reused by size class, and
   the free pool is trimmed to ``max_pool_bytes``.
-- ``stage`` writes the token into the header after the payload; ``release`` zeroes it before the segment
-  returns to the pool. The receiver checks the token before and after copying, so a released or reused
-  segment fails with TRANSFER_FAILED instead of yielding someone else's bytes.
+- ``stage`` copies the payload in; ``stage_blocks`` gathers ``kv_cache[block_ids]`` straight into the
+  segment (one copy, no intermediate tensor). Either writes the token into the header after the bytes;
+  ``release`` (and segment destruction) zeroes it first. The receiver checks the token before and after
+  copying, so a released or reused segment fails with TRANSFER_FAILED instead of yielding other bytes.
 - Receiver mappings are cached (LRU, ``max_attached`` segments) and unmapped on eviction or ``close``.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from shared.errors import DeepinferError
 from shared.kv.transport import (KVTransport, as_bytes, check_blocks, check_payload, dtype_name,
                                  output_tensor, transfer_failed)
 
@@ -69,6 +71,7 @@ class _Segment:
         self.header[:] = (MAGIC, 0, 0)
 
     def destroy(self) -> None:
+        self.header[1] = 0                     # receivers still mapping it must not accept old handles
         del self.header, self.data             # drop buffer exports, or close() raises BufferError
         try:
             self.shm.close()
@@ -132,12 +135,14 @@ class ShmTransport(KVTransport):
         for _ in range(count):
             self._put_free(_Segment(cap))
 
-    def _take_segment(self, nbytes: int) -> _Segment:
+    async def _take_segment(self, nbytes: int) -> _Segment:
         cap = size_class(nbytes, self.min_segment_bytes)
         for c in sorted(k for k in self._free if cap <= k <= 4 * cap):   # exact class, else a slightly larger one
             if self._free[c]:
                 return self._free[c].pop()
         log.debug("shm: new segment of %d B for %d B payload", cap, nbytes)
+        if cap >= THREAD_COPY_BYTES:                          # zero-filling a big segment takes milliseconds
+            return await asyncio.to_thread(_Segment, cap)
         return _Segment(cap)
 
     def _put_free(self, seg: _Segment) -> None:
@@ -174,9 +179,13 @@ class ShmTransport(KVTransport):
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         await self.budget.acquire(nbytes, self.stage_timeout)
         try:
-            seg = self._take_segment(nbytes)
-        except Exception as exc:
+            if transfer_id in self._staged:                   # staged concurrently while we waited
+                raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+            seg = await self._take_segment(nbytes)
+        except BaseException as exc:
             await self.budget.release(nbytes)
+            if isinstance(exc, (DeepinferError, asyncio.CancelledError)):
+                raise
             raise transfer_failed(f"cannot create shm segment for {nbytes} B: {exc}") from exc
         self._staged[transfer_id] = (seg, nbytes)
         try:

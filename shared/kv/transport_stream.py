@@ -83,6 +83,9 @@ class StreamTransport(KVTransport):
         data = as_bytes(payload).numpy()
         entry = _Staged(data, payload, self.chunk_bytes)
         await self.budget.acquire(entry.nbytes, self.stage_timeout)
+        if transfer_id in self._staged:                        # staged concurrently while we waited
+            await self.budget.release(entry.nbytes)
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         self._staged[transfer_id] = entry
         subject = self.subject_for(transfer_id)
         try:

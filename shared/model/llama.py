@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, attend
+from shared.engine.kv_cache import layer_kv
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, build_rope_cache
@@ -82,7 +83,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,  # [T] int64 each
-        meta: AttentionMetadata, kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, kvh, D]
+        meta: AttentionMetadata, kv_cache: torch.Tensor,  # [num_blocks, L, 2, kvh, block_size, D]
         logits_indices: torch.Tensor,  # [S] int64: rows of the batch whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, V]
         c = self.config
@@ -98,7 +99,7 @@ class LlamaModel:
             q = apply_rope(q, cos, sin)  # [T, H, D]
             k = apply_rope(k, cos, sin)  # [T, kvh, D]
             v = v.view(-1, c.num_kv_heads, c.head_dim)
-            o = attend(q, k, v, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.scale, layer.sliding_window)
+            o = attend(q, k, v, *layer_kv(kv_cache, i), meta, self.scale, layer.sliding_window)
             h = h + F.linear(o.flatten(1), layer.o_proj)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, ffn] each

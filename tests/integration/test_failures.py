@@ -6,7 +6,9 @@ import pytest
 
 from services.client import generate, generate_stream
 from services.launcher import Cluster, ClusterSpec
-from shared import protocol
+from nats.js.errors import KeyNotFoundError
+
+from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from tests.integration.conftest import connect
 from tests.model_factory import write_tiny_hf_folder
@@ -51,12 +53,23 @@ async def test_sigkill_decode_worker_mid_stream(nats_server, folder):
         assert len(lost) + len(done) == len(results), results
         assert all(seconds < 30 for _, seconds in results), "no client may wait past its timeout"
         await asyncio.sleep(2.0)  # the router notices the dead worker
+        registry = await nc.jetstream().key_value(subjects.REGISTRY_BUCKET)
+        for _ in range(40):  # the dead worker's registration expires with the bucket's TTL
+            try:
+                await registry.get("decode-0")
+            except KeyNotFoundError:
+                break
+            await asyncio.sleep(0.25)
+        else:
+            pytest.fail("decode-0 is still registered 10 s after it died")
+        assert (await registry.get("decode-1")).value  # the live one is still there
         ids, _, usage = await generate(nc, protocol.GenerateRequest(prompt_token_ids=[9, 9, 9, 9] * 5, max_tokens=5,
                                                                     temperature=0.0, ignore_eos=True))
         assert len(ids) == 5  # the surviving workers keep serving
         await nc.close()
     finally:
         cluster.stop()
+    assert all(p.poll() is not None for p in cluster.procs.values()), "no orphan processes"
 
 
 async def test_services_reconnect_after_nats_restart(folder):

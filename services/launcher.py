@@ -33,7 +33,7 @@ class ClusterSpec:
     model: str = ""
     dtype: str = "auto"
     kv_cache_mb: int = 256
-    transports: str = "shm,stream"
+    transports: str = "cuda_ipc,shm,nixl,stream"
     local_prefill_threshold: int = 64
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0

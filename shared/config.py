@@ -31,7 +31,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
-    transports: str = "shm,stream"  # offered KV transports, in preference order
+    transports: str = "cuda_ipc,shm,nixl,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     handoff_timeout_s: float = 30.0
 

@@ -1,7 +1,7 @@
 """KV transfer transports: one interface, several ways to move a prefill worker's KV blocks to a decode worker.
 
 The sender gathers a request's blocks into one contiguous CPU tensor
-``payload = kv_cache[block_ids]`` of shape [n, L, 2, bs, kvh, D] and calls ``stage(payload, transfer_id)``;
+``payload = kv_cache[block_ids]`` of shape [n, *block_shape] and calls ``stage(payload, transfer_id)``;
 the returned ``handle`` (a msgpack-able dict) travels in the hand-off header; the receiver calls
 ``fetch(handle)`` and gets an identical tensor (same dtype, shape, bytes). ``stage_blocks(kv_cache,
 block_ids, transfer_id)`` is the same hand-off without the intermediate payload: shm gathers straight into
@@ -176,10 +176,10 @@ class KVTransport(abc.ABC):
 
     @abc.abstractmethod
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
-        """Sender: make ``payload`` ([n, L, 2, bs, kvh, D], any shape) fetchable; return its handle."""
+        """Sender: make ``payload`` ([n, *block_shape], any shape) fetchable; return its handle."""
 
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
-        """Sender: stage ``kv_cache[block_ids]`` (cache [num_blocks, L, 2, bs, kvh, D] -> payload [n, ...]).
+        """Sender: stage ``kv_cache[block_ids]`` (cache [num_blocks, *block_shape] -> payload [n, ...]).
 
         Same handle and contract as ``stage``; transports override it to gather straight into their staging
         (shm) or to read the blocks in place (nixl), skipping the intermediate payload tensor. The blocks must
@@ -244,8 +244,18 @@ def _nixl_factory() -> Callable[..., KVTransport]:
     return NixlTransport
 
 
+def _cuda_ipc_factory() -> Callable[..., KVTransport]:
+    from shared.kv.transport_cuda_ipc import CudaIpcTransport
+    return CudaIpcTransport
+
+
+def _cuda_ipc_available() -> bool:
+    from shared.kv.transport_cuda_ipc import available
+    return available()
+
+
 _FACTORIES: dict[str, Callable[[], Callable[..., KVTransport]]] = {
-    "shm": _shm_factory, "stream": _stream_factory, "nixl": _nixl_factory,
+    "shm": _shm_factory, "stream": _stream_factory, "nixl": _nixl_factory, "cuda_ipc": _cuda_ipc_factory,
 }
 
 
@@ -254,11 +264,13 @@ def _nixl_available() -> bool:
     return nixl_available()
 
 
-_AVAILABLE: dict[str, Callable[[], bool]] = {"shm": lambda: True, "stream": lambda: True, "nixl": _nixl_available}
+_AVAILABLE: dict[str, Callable[[], bool]] = {"shm": lambda: True, "stream": lambda: True, "nixl": _nixl_available,
+                                             "cuda_ipc": _cuda_ipc_available}
 
 
 def available_transports() -> list[str]:
-    """Transports usable in this process: ``shm`` and ``stream`` always, ``nixl`` when its library imports."""
+    """Transports usable in this process: ``shm`` and ``stream`` always, ``nixl`` when its library imports,
+    ``cuda_ipc`` when CUDA is available."""
     return [name for name, ok in _AVAILABLE.items() if ok()]
 
 

@@ -96,7 +96,7 @@ class NixlTransport(KVTransport):
     # ---------------------------------------------------------------- sender
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         self._check_open()
-        payload = check_payload(payload)                       # [n, L, 2, bs, kvh, D] contiguous CPU
+        payload = check_payload(payload)                       # [n, *block_shape] contiguous CPU
         if transfer_id in self._staged:
             raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         nbytes = payload.numel() * payload.element_size()
@@ -130,7 +130,7 @@ class NixlTransport(KVTransport):
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
         """Zero copy: register the whole cache once; the receiver READs the n blocks where they are."""
         self._check_open()
-        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, L, 2, bs, kvh, D], [n]
+        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
         if transfer_id in self._staged:
             raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         key = (cache.data_ptr(), cache.numel() * cache.element_size())

@@ -152,18 +152,18 @@ class ShmTransport(KVTransport):
             self._free.setdefault(seg.capacity, []).append(seg)
 
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
-        payload = check_payload(payload)                      # [n, L, 2, bs, kvh, D] contiguous CPU
+        payload = check_payload(payload)                      # [n, *block_shape] contiguous CPU
         src = as_bytes(payload)
         return await self._stage_into(transfer_id, payload.dtype, list(payload.shape),
                                       lambda dst: _copy(dst, src))
 
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
         """Gather ``kv_cache[block_ids]`` straight into the segment: one copy, no intermediate tensor."""
-        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, L, 2, bs, kvh, D], [n]
+        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
         shape = [int(ids.numel()), *cache.shape[1:]]
 
         async def gather(dst: torch.Tensor) -> None:
-            out = dst.view(cache.dtype).view(shape)           # [n, L, 2, bs, kvh, D] inside the segment
+            out = dst.view(cache.dtype).view(shape)           # [n, *block_shape] inside the segment
             if dst.numel() >= THREAD_COPY_BYTES:
                 await asyncio.to_thread(torch.index_select, cache, 0, ids, out=out)
             else:

@@ -73,7 +73,7 @@ class StreamTransport(KVTransport):
     # ---------------------------------------------------------------- sender
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         self._check_open()
-        payload = check_payload(payload)                       # [n, L, 2, bs, kvh, D] contiguous CPU
+        payload = check_payload(payload)                       # [n, *block_shape] contiguous CPU
         if transfer_id in self._staged:
             raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         max_payload = getattr(self.nc, "max_payload", 0) or 0

@@ -17,6 +17,7 @@ from shared.engine.attention import AttentionMetadata, attend
 from shared.engine.kv_cache import layer_kv
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
+from shared.model.linear import linear, prepare_weight
 from shared.model.rope import apply_rope, build_rope_cache
 
 
@@ -56,7 +57,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden]
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")  # [V, hidden]
+        self.lm_head = prepare_weight(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
         self.final_norm = take("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -67,12 +68,12 @@ class LlamaModel:
                 bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                qkv=prepare_weight(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])),
                 qkv_bias=bias,
-                o_proj=take(a + "o_proj.weight"),
+                o_proj=prepare_weight(take(a + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=prepare_weight(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=prepare_weight(take(p + "mlp.down_proj.weight")),
                 sliding_window=config.layer_sliding_windows[i],
                 q_norm=take(a + "q_norm.weight") if a + "q_norm.weight" in weights else None,
                 k_norm=take(a + "k_norm.weight") if a + "k_norm.weight" in weights else None,
@@ -91,7 +92,7 @@ class LlamaModel:
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
+            qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:
@@ -100,9 +101,9 @@ class LlamaModel:
             k = apply_rope(k, cos, sin)  # [T, kvh, D]
             v = v.view(-1, c.num_kv_heads, c.head_dim)
             o = attend(q, k, v, *layer_kv(kv_cache, i), meta, self.scale, layer.sliding_window)
-            h = h + F.linear(o.flatten(1), layer.o_proj)
+            h = h + linear(o.flatten(1), layer.o_proj)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, ffn] each
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, ffn] each
+            h = h + linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logits_indices], self.final_norm, c.rms_norm_eps)  # [S, hidden]
-        return F.linear(h, self.lm_head)  # [S, V]
+        return linear(h, self.lm_head)  # [S, V]

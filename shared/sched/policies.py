@@ -1,0 +1,178 @@
+"""Placement policies: ``place(request, view) -> Placement | Reject``, pure and deterministic.
+
+- ``round_robin``: cycle through workers (the sanity baseline).
+- ``least_loaded``: shortest queue for prefill, most KV headroom for decode.
+- ``cache_aware``: SGLang router's rule. If the load spread exceeds both an absolute and a relative threshold,
+  go to the shortest queue; else to the best prefix match if its match rate is above a threshold, else to the
+  worker with the most free cache.
+- ``kv_cost``: Dynamo's KV router cost: ``w * (prefill blocks left after overlap credit + queued prefill
+  blocks) + (active decode blocks + this request's blocks)``, argmin (or a softmax sample at temperature > 0
+  from a seeded generator).
+- ``predictive`` (default): predicted TTFT = queue wait + prefill time of the uncached tokens + time to pull
+  blocks held in a slower tier, per prefill candidate; decode worker by KV headroom then active sequences;
+  prefill locally on the decode worker when that is predicted no slower; reject when even the best
+  prediction misses the request's TTFT SLO.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Protocol
+
+from shared.sched.types import ClusterView, Placement, Reject, RequestInfo, WorkerView
+
+
+class Policy(Protocol):
+    name: str
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject: ...
+
+
+def _load(w: WorkerView) -> int:
+    return w.num_running + w.num_waiting
+
+
+def _blocks(request: RequestInfo, w: WorkerView) -> int:
+    return -(-(request.num_prompt_tokens + request.max_tokens) // w.block_size)
+
+
+def _pick_decode(request: RequestInfo, decode: tuple[WorkerView, ...]) -> WorkerView:
+    """Most KV headroom among workers that can hold the request, then fewest active sequences."""
+    fits = [w for w in decode if w.num_free_blocks >= _blocks(request, w)] or list(decode)
+    return min(fits, key=lambda w: (-w.num_free_blocks, w.num_running, w.worker_id))
+
+
+def _finish(request: RequestInfo, view: ClusterView, prefill: WorkerView, reason: str,
+            ttft: float | None = None) -> Placement | Reject:
+    """Pair a chosen prefill worker with a decode worker (itself when aggregated)."""
+    if prefill.role == "both" or not view.decode:
+        return Placement(prefill.worker_id, None, ttft, reason)
+    return Placement(_pick_decode(request, view.decode).worker_id, prefill.worker_id, ttft, reason)
+
+
+def _no_workers() -> Reject:
+    return Reject("unavailable: no live workers")
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
+        workers = sorted(view.prefill or view.decode, key=lambda w: w.worker_id)
+        if not workers:
+            return _no_workers()
+        chosen = workers[self._next % len(workers)]
+        self._next += 1
+        if chosen.role == "both" or not view.decode:
+            return Placement(chosen.worker_id, None, None, "round robin")
+        decode = sorted(view.decode, key=lambda w: w.worker_id)
+        return Placement(decode[(self._next - 1) % len(decode)].worker_id, chosen.worker_id, None, "round robin")
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
+        if not (view.prefill or view.decode):
+            return _no_workers()
+        chosen = min(view.prefill or view.decode,
+                     key=lambda w: (w.queued_prefill_tokens, _load(w), w.worker_id))
+        return _finish(request, view, chosen, "least loaded")
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001,
+                 cache_threshold: float = 0.5) -> None:
+        self.abs_t, self.rel_t, self.cache_t = balance_abs_threshold, balance_rel_threshold, cache_threshold
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
+        workers = view.prefill or view.decode
+        if not workers:
+            return _no_workers()
+        loads = [_load(w) for w in workers]
+        if max(loads) - min(loads) > self.abs_t and max(loads) > self.rel_t * min(loads):
+            chosen = min(workers, key=lambda w: (_load(w), w.worker_id))
+            return _finish(request, view, chosen, "imbalanced: shortest queue")
+        n = max(1, len(request.block_hashes))
+        best = min(workers, key=lambda w: (-view.overlap.get(w.worker_id, 0), _load(w), w.worker_id))
+        if view.overlap.get(best.worker_id, 0) / n > self.cache_t:
+            return _finish(request, view, best, "best prefix match")
+        chosen = min(workers, key=lambda w: (-w.num_free_blocks, _load(w), w.worker_id))
+        return _finish(request, view, chosen, "low match: most free cache")
+
+
+class KvCost:
+    name = "kv_cost"
+
+    def __init__(self, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int = 0) -> None:
+        self.overlap_weight, self.temperature = overlap_weight, temperature
+        self._rng = random.Random(seed)
+
+    def cost(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> float:
+        prompt_blocks = -(-request.num_prompt_tokens // w.block_size)
+        prefill_blocks = prompt_blocks - view.overlap.get(w.worker_id, 0) + w.queued_prefill_tokens / w.block_size
+        active_blocks = (w.num_total_blocks - w.num_free_blocks) + _blocks(request, w)
+        return self.overlap_weight * prefill_blocks + active_blocks
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
+        workers = sorted(view.prefill or view.decode, key=lambda w: w.worker_id)
+        if not workers:
+            return _no_workers()
+        costs = [self.cost(request, view, w) for w in workers]
+        if self.temperature <= 0:
+            chosen = workers[min(range(len(workers)), key=lambda i: (costs[i], i))]
+        else:  # softmax over normalised negative costs
+            lo, hi = min(costs), max(costs)
+            span = (hi - lo) or 1.0
+            weights = [math.exp(-(c - lo) / span / self.temperature) for c in costs]
+            chosen = self._rng.choices(workers, weights=weights)[0]
+        return _finish(request, view, chosen, "kv cost")
+
+
+class Predictive:
+    name = "predictive"
+
+    def __init__(self, local_prefill_tokens: int = 64) -> None:
+        self.local_prefill_tokens = local_prefill_tokens
+
+    def ttft(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> float:
+        """Queue wait + prefill of the uncached tokens + pulling blocks held only in a slower tier."""
+        own = view.overlap.get(w.worker_id, 0)
+        reusable = max(own, view.remote_overlap)
+        uncached = max(1, request.num_prompt_tokens - reusable * w.block_size)
+        pull = max(0, view.remote_overlap - own) * view.cost.block_transfer_s
+        queue = view.cost.prefill_s(w.queued_prefill_tokens)
+        return queue + view.cost.prefill_s(uncached) + pull
+
+    def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
+        candidates = view.prefill or view.decode
+        if not candidates:
+            return _no_workers()
+        best = min(candidates, key=lambda w: (self.ttft(request, view, w), _load(w), w.worker_id))
+        best_ttft = self.ttft(request, view, best)
+        placement = _finish(request, view, best, "predicted TTFT", best_ttft)
+        if placement.prefill_worker is not None:  # disaggregated: is prefilling on the decode worker better?
+            decode = next(w for w in view.decode if w.worker_id == placement.decode_worker)
+            local = self.ttft(request, view, decode)
+            handoff = -(-request.num_prompt_tokens // best.block_size) * view.cost.block_transfer_s
+            if request.num_prompt_tokens <= self.local_prefill_tokens or local <= best_ttft + handoff:
+                placement = Placement(decode.worker_id, None, local, "local prefill predicted no slower")
+                best_ttft = local
+        if request.ttft_slo_s is not None and best_ttft > request.ttft_slo_s:
+            return Reject(f"overloaded: predicted TTFT {best_ttft:.3f} s exceeds the SLO "
+                          f"{request.ttft_slo_s:.3f} s", best_ttft)
+        return placement
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAware, KvCost, Predictive)}
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)

@@ -100,7 +100,8 @@ async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dic
 
 async def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
-                       kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold)
+                       kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
+                       policy=args.policy)
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -183,8 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     up.add_argument("--kv-cache-mb", type=int, default=256)
     up.add_argument("--local-prefill-threshold", type=int, default=64)
+    up.add_argument("--policy", default="predictive",
+                    help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
+
+    from services import simulate_cli
+
+    simulate_cli.add_parser(sub)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
     serve.add_argument("service", choices=["router", "prefill", "decode"])
@@ -203,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_up(args)
         if args.command == "serve":
             return run_serve(args, extra)
+        if args.command == "simulate":
+            from services import simulate_cli
+
+            return simulate_cli.run(args)
         if args.command == "demo":
             return run_demo(args)
     except DeepinferError as err:

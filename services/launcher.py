@@ -35,6 +35,7 @@ class ClusterSpec:
     kv_cache_mb: int = 256
     transports: str = "cuda_ipc,shm,nixl,stream"
     local_prefill_threshold: int = 64
+    policy: str = "predictive"
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
 
@@ -72,6 +73,7 @@ class Cluster:
             self.nats_url = self.server.url
         self._spawn("router", "services.router", ["--nats-url", self.nats_url, "--worker-id", "router",
                                                   "--local-prefill-threshold", str(s.local_prefill_threshold),
+                                                  "--policy", s.policy,
                                                   *(["--model", s.model] if s.model else [])], 1)
         names = ["router"] + [self.spawn_worker("prefill", i) for i in range(s.prefill)] + \
             [self.spawn_worker("decode", i) for i in range(s.decode)]

@@ -14,6 +14,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.kv.transport import available_transports, make_transport
+from services.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ class Worker:
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None)
         engine = await asyncio.to_thread(LLMEngine.from_path, c.model or None, engine_cfg)
+        self.nc = await connect(c.nats_url, c.worker_id)
+        self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
+        engine.block_manager.event_sink = self.kv_events.sink  # set before the engine thread starts
         self.aengine = AsyncEngine(engine)
         self.aengine.start()
-        self.nc = await connect(c.nats_url, c.worker_id)
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
@@ -52,11 +55,16 @@ class Worker:
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s)
         await self.serve_handlers()
         await self.runtime.serve(subjects.CANCEL, self.on_cancel)
-        self.runtime.start_heartbeat(self.aengine.load)
+        await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot)
+        self.kv_events.start()
+        self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq})
         logger.info("%s ready (transports %s)", c.worker_id, offered)
 
     async def serve_handlers(self) -> None:
         raise NotImplementedError
+
+    async def _cached_hashes(self) -> list[int]:
+        return await self.aengine.call(lambda: list(self.engine.block_manager.cached))
 
     async def on_cancel(self, msg) -> None:
         req = protocol.decode(msg.data, protocol.CancelRequest)
@@ -88,6 +96,7 @@ class Worker:
         await self.runtime.stopped.wait()
         for task in list(self.active.values()):
             task.cancel()
+        await self.kv_events.stop()
         for transport in self.transports.values():
             await transport.close()
         await self.aengine.stop()

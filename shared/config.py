@@ -53,12 +53,21 @@ class RouterConfig:
     worker_dead_after_s: float = 3.0  # no heartbeat for this long = dead
     dispatch_timeout_s: float = 5.0  # a worker must accept a request within this
     max_inflight: int = 256  # admission: more concurrent requests than this are rejected (overloaded)
+    policy: str = "predictive"  # round_robin | least_loaded | cache_aware | kv_cost | predictive
+    ttft_slo_s: float = 0.0  # > 0: reject (overloaded) requests whose predicted TTFT exceeds it
+    prefill_s_per_token: float = 2.2e-3  # cost model (SmolLM2 fp32 on 2 cores); refit per deployment
+    prefill_s_per_token_sq: float = 9.5e-8
+    block_transfer_s: float = 4e-4  # one 16-token SmolLM2 block (1.1 MB fp32) over shm
 
     def __post_init__(self) -> None:
+        from shared.sched.policies import POLICIES
+
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0:
             raise ValueError("invalid router config")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
 
 
 def _parse(kind: type, text: str) -> Any:

@@ -27,7 +27,7 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "sampling_to_dict", "sampling_from_dict",
            "GenerateRequest", "TokenChunk", "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest",
-           "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "MESSAGE_TYPES"]
+           "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
@@ -262,11 +262,14 @@ class LoadReport(WireModel):
     transports: list[str]
     host: str
     timestamp: float
+    queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_one_of("role", self.role, ROLES)
-        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size"):
+        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
+                     "queued_prefill_tokens", "kv_event_seq"):
             _check_range(name, getattr(self, name), 0)
         _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
         _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
@@ -308,6 +311,19 @@ class KVEvent(WireModel):
         _require(not self.block_hashes or min(self.block_hashes) >= 0,
                  "field 'block_hashes': hashes must be unsigned 64-bit ints")
         _require(bool(self.tier), "field 'tier': must not be empty")
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class KVSnapshot(WireModel):
+    """Reply to ``subjects.ctl(worker, "kv_snapshot")``: every block hash the worker's device cache holds
+    as of event ``seq`` (the index resumes from ``seq + 1``)."""
+    worker_id: str
+    seq: int
+    block_hashes: list[int]
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_range("seq", self.seq, 0)
 
 
 MESSAGE_TYPES: dict[str, type] = registered_types()

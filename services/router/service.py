@@ -22,7 +22,10 @@ from shared.bus import ServiceRuntime, connect
 from shared.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.tokenize import load_tokenizer, prompt_token_ids
+from services.router.placement import Placer
 from services.router.workers import WorkerTable, choose_transport
+from shared.sched.kv_index import KVIndex
+from shared.sched.types import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,12 @@ class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.table = WorkerTable(config.worker_dead_after_s)
+        self.index = KVIndex()
+        self.placer = Placer(config.policy, self.table, self.index,
+                             CostModel(prefill_a=config.prefill_s_per_token_sq, prefill_b=config.prefill_s_per_token,
+                                       block_transfer_s=config.block_transfer_s),
+                             config.local_prefill_threshold, config.ttft_slo_s or None)
+        self._resyncing: set[str] = set()
         self.tokenizer = None
         self.nc = None
         self.runtime: ServiceRuntime | None = None
@@ -43,6 +52,7 @@ class RouterService:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
         self.nc = await connect(c.nats_url, c.worker_id)
         await self.nc.subscribe(subjects.LOAD_ALL, cb=self.on_load)
+        await self.nc.subscribe(subjects.KV_EVENTS, cb=self.on_kv_event)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info)
@@ -53,9 +63,36 @@ class RouterService:
 
     async def on_load(self, msg) -> None:
         try:
-            self.table.update(protocol.decode(msg.data, protocol.LoadReport))
+            report = protocol.decode(msg.data, protocol.LoadReport)
         except DeepinferError as err:
             logger.warning("bad heartbeat: %s", err)
+            return
+        last = self.index.last_seq(report.worker_id)
+        if last is not None and report.kv_event_seq < last:  # restarted under the same id: start over
+            self.index.remove_worker(report.worker_id)
+        self.table.update(report)
+
+    async def on_kv_event(self, msg) -> None:
+        try:
+            event = protocol.decode(msg.data, protocol.KVEvent)
+        except DeepinferError as err:
+            logger.warning("bad KV event: %s", err)
+            return
+        if not self.index.apply(event) and event.worker_id not in self._resyncing:
+            asyncio.create_task(self._resync(event.worker_id))
+
+    async def _resync(self, worker_id: str) -> None:
+        """Replace a worker's index entries with its snapshot after a gap in its event sequence."""
+        self._resyncing.add(worker_id)
+        try:
+            reply = await self.nc.request(subjects.ctl(worker_id, "kv_snapshot"), b"", timeout=2.0)
+            snap = protocol.decode(reply.data, protocol.KVSnapshot)
+            self.index.resync(worker_id, snap.seq, {"device": snap.block_hashes})
+            logger.info("KV index resynced %s at seq %d (%d blocks)", worker_id, snap.seq, len(snap.block_hashes))
+        except Exception as err:  # the worker stays flagged; its next event retries
+            logger.warning("KV index resync of %s failed: %r", worker_id, err)
+        finally:
+            self._resyncing.discard(worker_id)
 
     async def on_cancel(self, msg) -> None:
         task = self.relays.get(protocol.decode(msg.data, protocol.CancelRequest).request_id)
@@ -94,25 +131,26 @@ class RouterService:
         params = req.sampling_params()
         prompt = prompt_token_ids(self.tokenizer, req)
         deadline = time.monotonic() + req.timeout_s
-        decode_w = self.table.pick_decode()
-        if decode_w is None:
-            raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
-        prefill_w, transport = None, None
-        if req.prefill_mode == "remote" or (req.prefill_mode == "auto"
-                                            and len(prompt) > self.config.local_prefill_threshold):
-            prefill_w = self.table.pick_prefill()
-            if prefill_w is not None:
-                transport = choose_transport(prefill_w.report, decode_w.report, req.transport)
+        prefill_w, decode_w = self.placer.place(rid, prompt, params.max_tokens, req.cache_salt, req.prefill_mode)
+        transport = None
+        if prefill_w is not None:
+            transport = choose_transport(prefill_w.report, decode_w.report, req.transport)
             if transport is None and (req.prefill_mode == "remote" or req.transport):
-                raise DeepinferError(ErrorCode.UNAVAILABLE, "no prefill worker / common KV transport for "
-                                     f"mode={req.prefill_mode} transport={req.transport or 'any'}")
+                raise DeepinferError(ErrorCode.UNAVAILABLE, f"no common KV transport ({req.transport or 'any'}) "
+                                     f"between {prefill_w.report.worker_id} and {decode_w.report.worker_id}")
             if transport is None:
                 prefill_w = None
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
         placed = [w for w in (prefill_w, decode_w) if w is not None]
+        prefilling = prefill_w or decode_w  # who computes the prompt (reports lag: count it ourselves)
         for w in placed:
             w.inflight += 1
+        prefilling.inflight_tokens += len(prompt)
+        pending_prefill = [len(prompt)]  # returned to the worker's account at the first token or the end
+
+        def prefill_done() -> None:
+            prefilling.inflight_tokens -= pending_prefill.pop() if pending_prefill else 0
         finished = False
         try:
             sampling = protocol.sampling_to_dict(params)
@@ -127,10 +165,11 @@ class RouterService:
                 work = protocol.DecodeLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                                    reply_to=inbox, cache_salt=req.cache_salt)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w)
+            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w, prefill_done)
         finally:
             for w in placed:
                 w.inflight -= 1
+            prefill_done()
             await sub.unsubscribe()
             if not finished:  # stop whatever the workers are still doing for this request
                 await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=rid)))
@@ -144,7 +183,7 @@ class RouterService:
         if isinstance(answer, protocol.ErrorReply):
             raise answer.to_exception()
 
-    async def _relay(self, sub, rid, client, deadline, prefill_w, decode_w) -> bool:
+    async def _relay(self, sub, rid, client, deadline, prefill_w, decode_w, on_first_token) -> bool:
         t0, ttft = time.monotonic(), None
         while True:
             remaining = deadline - time.monotonic()
@@ -162,6 +201,7 @@ class RouterService:
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
             if ttft is None and chunk.token_ids:
                 ttft = time.monotonic() - t0
+                on_first_token()
             usage = chunk.usage
             if chunk.final and usage is not None:
                 usage = {**usage, "ttft_ms": (ttft or 0.0) * 1000.0}

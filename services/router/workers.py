@@ -17,6 +17,7 @@ class WorkerState:
     report: protocol.LoadReport
     last_seen: float
     inflight: int = 0  # requests this router placed there that have not finished yet
+    inflight_tokens: int = 0  # prompt tokens this router sent there to prefill, not finished yet
 
 
 class WorkerTable:

@@ -133,5 +133,8 @@ class AsyncEngine:
         """Racy-but-safe snapshot of load metrics (reads only ints/floats)."""
         eng = self.engine
         bm = eng.block_manager
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                     for r in list(eng.scheduler.waiting) + list(eng.scheduler.running))
         return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
-                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks}
+                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+                "queued_prefill_tokens": queued}

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from shared.engine.request import Request
 from shared.kv.block_hash import ROOT_PARENT, first_block_extra
@@ -39,7 +40,10 @@ def block_key(request: Request, index: int) -> BlockKey:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 event_sink: Callable[[str, list[int]], None] | None = None) -> None:
+        """``event_sink(kind, hashes)`` hears every change of the prefix cache: "stored" when blocks are
+        published, "removed" when evicted, "cleared" on reset (workers forward these as KV events)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
@@ -50,6 +54,7 @@ class BlockManager:
         self.num_registered: dict[str, int] = {}  # request id -> how many of its blocks are hashed
         self.num_query_tokens = 0  # prefix-cache accounting: tokens looked up / found
         self.num_hit_tokens = 0
+        self.event_sink = event_sink
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -110,6 +115,8 @@ class BlockManager:
             if block.block_hash is not None:  # evict: the cached content is being overwritten
                 if self.cached.get(block.block_hash) == bid:
                     del self.cached[block.block_hash]
+                    if self.event_sink is not None:
+                        self.event_sink("removed", [block.block_hash])
                 block.block_hash, block.key = None, None
             block.ref_cnt = 1
             new_ids.append(bid)
@@ -124,12 +131,16 @@ class BlockManager:
         held = self.req_to_blocks[request.request_id]
         start = self.num_registered.get(request.request_id, 0)
         num_full = min(num_full, len(request.block_hashes))
+        stored = []
         for i in range(start, num_full):
             h, block = request.block_hashes[i], self.blocks[held[i]]
             if h not in self.cached:
                 self.cached[h] = block.block_id
                 block.block_hash, block.key = h, block_key(request, i)
+                stored.append(h)
         self.num_registered[request.request_id] = max(start, num_full)
+        if stored and self.event_sink is not None:
+            self.event_sink("stored", stored)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (idempotent). Hashed blocks stay cached until evicted."""
@@ -148,3 +159,5 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash, block.key = None, None
         self.cached.clear()
+        if self.event_sink is not None:
+            self.event_sink("cleared", [])

@@ -37,15 +37,16 @@ def _blocks(request: RequestInfo, w: WorkerView) -> int:
 
 
 def _pick_decode(request: RequestInfo, decode: tuple[WorkerView, ...]) -> WorkerView:
-    """Most KV headroom among workers that can hold the request, then fewest active sequences."""
+    """Among workers with KV room for the request: fewest active sequences (running + waiting), then most
+    KV headroom."""
     fits = [w for w in decode if w.num_free_blocks >= _blocks(request, w)] or list(decode)
-    return min(fits, key=lambda w: (-w.num_free_blocks, w.num_running, w.worker_id))
+    return min(fits, key=lambda w: (_load(w), -w.num_free_blocks, w.worker_id))
 
 
 def _finish(request: RequestInfo, view: ClusterView, prefill: WorkerView, reason: str,
             ttft: float | None = None) -> Placement | Reject:
-    """Pair a chosen prefill worker with a decode worker (itself when aggregated)."""
-    if prefill.role == "both" or not view.decode:
+    """Pair a chosen prefill worker with a decode worker (itself when aggregated or already a decode)."""
+    if prefill.role != "prefill" or not view.decode:
         return Placement(prefill.worker_id, None, ttft, reason)
     return Placement(_pick_decode(request, view.decode).worker_id, prefill.worker_id, ttft, reason)
 
@@ -66,7 +67,7 @@ class RoundRobin:
             return _no_workers()
         chosen = workers[self._next % len(workers)]
         self._next += 1
-        if chosen.role == "both" or not view.decode:
+        if chosen.role != "prefill" or not view.decode:
             return Placement(chosen.worker_id, None, None, "round robin")
         decode = sorted(view.decode, key=lambda w: w.worker_id)
         return Placement(decode[(self._next - 1) % len(decode)].worker_id, chosen.worker_id, None, "round robin")
@@ -160,12 +161,22 @@ class Predictive:
             decode = next(w for w in view.decode if w.worker_id == placement.decode_worker)
             local = self.ttft(request, view, decode)
             handoff = -(-request.num_prompt_tokens // best.block_size) * view.cost.block_transfer_s
-            if request.num_prompt_tokens <= self.local_prefill_tokens or local <= best_ttft + handoff:
+            idle = _load(decode) == 0 and decode.queued_prefill_tokens == 0
+            # local prefill stalls every sequence decoding there: only for short prompts, on an idle decode
+            # worker when it is no slower, or when it is strictly faster than the best prefill worker
+            if (request.num_prompt_tokens <= self.local_prefill_tokens or (idle and local <= best_ttft + handoff)
+                    or local < best_ttft):
                 placement = Placement(decode.worker_id, None, local, "local prefill predicted no slower")
                 best_ttft = local
         if request.ttft_slo_s is not None and best_ttft > request.ttft_slo_s:
-            return Reject(f"overloaded: predicted TTFT {best_ttft:.3f} s exceeds the SLO "
-                          f"{request.ttft_slo_s:.3f} s", best_ttft)
+            chosen_id = placement.prefill_worker or placement.decode_worker
+            chosen = next(w for w in (*view.prefill, *view.decode) if w.worker_id == chosen_id)
+            busy = sum(1 for w in candidates if w.queued_prefill_tokens > 0)
+            # shed load only: a request that is merely long is served on an idle worker while the cluster is
+            # lightly loaded, so its blocks warm the cache for the conversation's next turns
+            if chosen.queued_prefill_tokens > 0 or 2 * busy >= len(candidates):
+                return Reject(f"overloaded: predicted TTFT {best_ttft:.3f} s exceeds the SLO "
+                              f"{request.ttft_slo_s:.3f} s", best_ttft)
         return placement
 
 

@@ -21,10 +21,10 @@ def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerCo
 
 class InProcessCluster:
     def __init__(self, url: str, folder, prefill: int = 1, decode: int = 1, local_prefill_threshold: int = 0,
-                 **worker_kw) -> None:
+                 policy: str = "predictive", **worker_kw) -> None:
         self.url, self.folder = url, folder
         self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
-                                                 local_prefill_threshold=local_prefill_threshold))
+                                                 local_prefill_threshold=local_prefill_threshold, policy=policy))
         self.workers = [PrefillService(worker_config("prefill", url, folder, f"prefill-{i}", **worker_kw))
                         for i in range(prefill)]
         self.workers += [DecodeService(worker_config("decode", url, folder, f"decode-{i}", **worker_kw))
@@ -44,6 +44,7 @@ class InProcessCluster:
     async def __aexit__(self, *exc) -> None:
         for w in self.workers:
             await w.runtime.stop()
+            await w.kv_events.stop()
             for t in w.transports.values():
                 with contextlib.suppress(Exception):
                     await t.close()

@@ -39,6 +39,7 @@ SAMPLES = {
     "WorkerInfo": p.WorkerInfo(worker_id="prefill-0", role="prefill", model_id="m", host="h", pid=42,
                                transports=["stream"], block_size=16, started_at=1.0e9),
     "KVEvent": p.KVEvent(worker_id="prefill-0", seq=1, kind="stored", block_hashes=[0, 1, 2**63, 2**64 - 1]),
+    "KVSnapshot": p.KVSnapshot(worker_id="decode-0", seq=7, block_hashes=[3, 2**64 - 1]),
 }
 
 

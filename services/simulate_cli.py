@@ -1,0 +1,86 @@
+"""`deepinfer simulate`: replay a Mooncake-format trace through the placement policies in the simulator."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic.jsonl"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from shared.sched.policies import POLICIES
+    from shared.sched.profiles import PROFILES
+
+    p = subparsers.add_parser("simulate", help="simulate a cluster on a request trace (no hardware needed)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--workers", type=int, default=8, help="aggregated workers (when --prefill is 0)")
+    p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; 0 = aggregated)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers when --prefill > 0 (default --workers)")
+    p.add_argument("--policy", default="all", help=f"comma list or 'all' of: {', '.join(POLICIES)}")
+    p.add_argument("--profile", default="llama70b-h200", choices=sorted(PROFILES))
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--kv-capacity-blocks", type=int, default=None, help="KV blocks per worker")
+    cap.add_argument("--kv-capacity-frac", type=float, default=0.3,
+                     help="total KV capacity as a fraction of the trace's distinct blocks (default 0.3)")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (0 = none)")
+    p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds (0 = none)")
+    p.add_argument("--cache-tier-blocks", type=int, default=0, help="shared cache tier capacity (0 = none)")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
+    p.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--price-cached", type=float, default=0.02, help="per million cached input tokens")
+    p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
+    p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
+    p.add_argument("--json", action="store_true", help="print only the JSON lines")
+    p.add_argument("--plot", default=None, help="write a TTFT CDF to this PNG (needs matplotlib)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.sched.policies import POLICIES
+    from shared.sched.simulator import (distinct_blocks, format_table, json_line, load_trace, plot_ttft_cdf,
+                                        simulate)
+
+    names = list(POLICIES) if args.policy == "all" else [n.strip() for n in args.policy.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        print(f"deepinfer simulate: unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        trace = load_trace(args.trace, limit=args.limit, speed=args.speed)
+    except OSError as err:
+        print(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
+        return 2
+    if not trace:
+        print("deepinfer simulate: empty trace", file=sys.stderr)
+        return 2
+    prefill = max(0, args.prefill)
+    workers = (args.decode if args.decode is not None else args.workers) if prefill else args.workers
+    cap = args.kv_capacity_blocks
+    if cap is None:
+        cap = max(1, math.ceil(args.kv_capacity_frac * distinct_blocks(trace) / (workers + prefill)))
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        res = simulate(trace, name, args.profile, num_workers=workers, kv_capacity_blocks=cap,
+                       ttft_slo_s=args.ttft_slo or None, tpot_slo_s=args.tpot_slo or None,
+                       cache_tier_blocks=args.cache_tier_blocks, seed=args.seed, speed=args.speed,
+                       prefill_workers=prefill, block_size=args.block_size, price_cached_per_m=args.price_cached,
+                       price_uncached_per_m=args.price_uncached, price_output_per_m=args.price_output)
+        results.append(res)
+        print(json_line(res), flush=True)
+        print(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    if not args.json:
+        print(format_table(results))
+    if args.plot:
+        try:
+            plot_ttft_cdf(results, args.plot)
+        except RuntimeError as err:
+            print(f"deepinfer simulate: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,99 @@
+"""Metric helpers for the cluster simulator: percentiles, the summary dict, the table and the TTFT CDF plot."""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+TABLE_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("hit", "hit_rate", "{:.3f}"),
+    ("hit/ideal", "hit_vs_ideal", "{:.2f}"),
+    ("ttft p50", "ttft_p50_s", "{:.3f}"),
+    ("ttft p90", "ttft_p90_s", "{:.3f}"),
+    ("ttft p99", "ttft_p99_s", "{:.3f}"),
+    ("tpot p50", "tpot_p50_s", "{:.4f}"),
+    ("tpot p99", "tpot_p99_s", "{:.4f}"),
+    ("slo", "slo_attainment", "{:.3f}"),
+    ("goodput/s", "goodput_rps", "{:.3f}"),
+    ("rej", "rejected", "{}"),
+    ("makespan s", "makespan_s", "{:.1f}"),
+    ("$/GPU-h", "revenue_per_gpu_hour", "{:.3f}"),
+)
+
+
+def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]:
+    if not values:
+        return {f"{prefix}_p50_s": None, f"{prefix}_p90_s": None, f"{prefix}_p99_s": None}
+    p50, p90, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 90, 99])
+    return {f"{prefix}_p50_s": round(float(p50), 9), f"{prefix}_p90_s": round(float(p90), 9),
+            f"{prefix}_p99_s": round(float(p99), 9)}
+
+
+def ideal_hit_rate(trace) -> float:
+    """Fraction of blocks whose id appeared in an earlier request (one infinite cache)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in trace:
+        for h in r.hash_ids:
+            total += 1
+            hit += h in seen
+        seen.update(r.hash_ids)
+    return hit / total if total else 0.0
+
+
+def distinct_blocks(trace) -> int:
+    return len({h for r in trace for h in r.hash_ids})
+
+
+def _fmt(fmt: str, v) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_table(results: list[dict]) -> str:
+    """One row per run (policy); ideal hit rate and configuration in a header line."""
+    if not results:
+        return "(no results)"
+    r0 = results[0]
+    head = (f"profile={r0['profile']} workers={r0['workers']} kv_blocks/worker={r0['kv_capacity_blocks']} "
+            f"tier={r0['cache_tier_blocks']} ttft_slo={r0['ttft_slo_s']}s tpot_slo={r0['tpot_slo_s']}s "
+            f"speed={r0['speed']} requests={r0['requests']} ideal_hit={r0['ideal_hit_rate']:.3f}")
+    rows = [[name for name, _, _ in TABLE_COLUMNS]]
+    rows += [[_fmt(fmt, r.get(key)) for _, key, fmt in TABLE_COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = [head]
+    for j, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def json_line(result: dict) -> str:
+    return json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, sort_keys=True)
+
+
+def plot_ttft_cdf(results: list[dict], path: str) -> None:
+    """TTFT CDF per policy (needs matplotlib; the simulator keeps per-request TTFTs under ``_ttfts``)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # not a project dependency
+        raise RuntimeError("plotting needs matplotlib, which is not installed "
+                           "(pip install matplotlib in your own environment)") from exc
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        ttfts = np.sort(np.asarray(r.get("_ttfts", []), dtype=np.float64))
+        if len(ttfts):
+            ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), label=r["policy"])
+    if results and results[0].get("ttft_slo_s"):
+        ax.axvline(results[0]["ttft_slo_s"], color="grey", linestyle="--", label="TTFT SLO")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of served requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,389 @@
+"""Discrete-event cluster simulator: replays a Mooncake-format trace through the SAME placement policies.
+
+Each worker has a KV cache of ``kv_capacity_blocks`` blocks (a block is a trace hash id, 512 tokens), LRU
+eviction of unreferenced blocks, a FIFO prefill queue (chunked prefill, one request at a time, mixed with
+decode) and continuous batched decode. An optional shared cache tier (LRU) serves prefixes at the profile's
+transfer bandwidth. No wall clock: same inputs and seed, same output.
+"""
+from __future__ import annotations
+
+import heapq
+import inspect
+import json
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from shared.sched.policies import make_policy
+from shared.sched.profiles import Profile, get_profile
+from shared.sched.sim_metrics import (distinct_blocks, format_table, ideal_hit_rate, json_line, percentiles,
+                                      plot_ttft_cdf)
+from shared.sched.types import ClusterView, Placement, RequestInfo, WorkerView
+
+__all__ = ["TraceRequest", "load_trace", "simulate", "format_table", "json_line", "plot_ttft_cdf",
+           "ideal_hit_rate", "distinct_blocks"]
+_STEP, _HANDOFF, _ARRIVAL = 0, 1, 2  # event kinds; equal times: finish work before taking new arrivals
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    idx: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str, limit: int | None = None, speed: float = 1.0) -> list[TraceRequest]:
+    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1 compresses time."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(out) >= limit:
+                break
+            if line.strip():
+                d = json.loads(line)
+                out.append(TraceRequest(len(out), d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
+                                        int(d["output_length"]), tuple(d["hash_ids"])))
+    return out
+
+
+class _Req:
+    __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_blocks", "uncached", "done", "first_s",
+                 "generated", "pinned", "private", "total_blocks")
+
+    def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
+        self.tr, self.decode_w, self.est = tr, decode_w, est
+        self.local = self.hit = self.pull_blocks = self.uncached = self.done = self.generated = 0
+        self.first_s: float | None = None
+        self.pinned: tuple[int, ...] = ()
+        self.private = self.total_blocks = 0
+
+
+class _Worker:
+    def __init__(self, idx: int, role: str, cap: int) -> None:
+        self.idx, self.role, self.cap = idx, role, cap
+        self.wid = f"w{idx:03d}"
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced (evictable), oldest first
+        self.pinned: dict[int, int] = {}  # cached and referenced: refcount
+        self.private = 0  # reserved blocks not (yet) identified by a hash
+        self.queue: deque[_Req] = deque()
+        self.queued_tokens = 0
+        self.cur: _Req | None = None
+        self.running: list[_Req] = []
+        self.kv_tokens = 0
+        self.busy = False
+
+    def prefix(self, hashes: tuple[int, ...]) -> int:
+        n = 0
+        for h in hashes:
+            if h in self.pinned or h in self.lru:
+                n += 1
+            else:
+                break
+        return n
+
+    def evict(self) -> None:
+        while self.lru and len(self.lru) + len(self.pinned) + self.private > self.cap:
+            self.lru.popitem(last=False)
+
+    def pin(self, h: int) -> bool:
+        """Reference block ``h``; True if it was already cached."""
+        if h in self.pinned:
+            self.pinned[h] += 1
+            return True
+        cached = self.lru.pop(h, 0) is None
+        self.pinned[h] = 1
+        return cached
+
+    def release(self, r: _Req) -> None:
+        for h in reversed(r.pinned):  # tail blocks become the oldest: evicted before the prefix they extend
+            n = self.pinned[h] - 1
+            if n:
+                self.pinned[h] = n
+            else:
+                del self.pinned[h]
+                self.lru[h] = None
+        self.private -= r.private
+        r.pinned, r.private = (), 0
+
+
+class _Sim:
+    def __init__(self, trace, policy, profile: Profile, num_workers: int, prefill_workers: int,
+                 kv_capacity_blocks: int, ttft_slo_s: float | None, cache_tier_blocks: int, block_size: int):
+        self.trace, self.policy, self.p, self.bs = trace, policy, profile, block_size
+        self.ttft_slo = ttft_slo_s
+        roles = ["prefill"] * prefill_workers + (["decode"] if prefill_workers else ["both"]) * num_workers
+        self.workers = [_Worker(i, role, kv_capacity_blocks) for i, role in enumerate(roles)]
+        self.by_id = {w.wid: w for w in self.workers}
+        self.tier_cap = cache_tier_blocks
+        self.tier: OrderedDict[int, None] = OrderedDict()
+        self.cost = profile.cost_model(block_size)
+        self.block_s = profile.block_transfer_s(block_size)
+        self.events: list = []
+        self.seq = 0
+        self.handoffs: list[float] = []
+        self.next_arrival = 0
+        self.rejected = 0
+        self.done: list[_Req] = []
+        self.hit_blocks = self.local_blocks = self.total_blocks = 0
+        self.now = 0.0
+
+    def push(self, t: float, kind: int, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, self.seq, data))
+
+    def tier_prefix(self, hashes) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.tier:
+                break
+            n += 1
+        return n
+
+    # --- arrivals ---------------------------------------------------------------------------------------
+    def view(self, tr: TraceRequest) -> ClusterView:
+        views, overlap = [], {}
+        for w in self.workers:
+            queued = w.queued_tokens + (w.cur.uncached - w.cur.done if w.cur else 0)
+            used = len(w.pinned) + w.private
+            views.append(WorkerView(w.wid, w.role, len(w.running) + (w.cur is not None), len(w.queue), queued,
+                                    max(0, w.cap - used), w.cap, self.bs))
+            overlap[w.wid] = w.prefix(tr.hash_ids)
+        pre = tuple(v for v in views if v.role in ("prefill", "both"))
+        dec = tuple(v for v in views if v.role == "decode")
+        remote = self.tier_prefix(tr.hash_ids) if self.tier_cap else 0
+        return ClusterView(pre, dec, overlap, remote, self.cost)
+
+    def arrive(self, tr: TraceRequest) -> None:
+        view = self.view(tr)
+        info = RequestInfo(f"r{tr.idx}", tr.input_length, tr.hash_ids, tr.output_length, self.ttft_slo)
+        placed = self.policy.place(info, view)
+        if not isinstance(placed, Placement):
+            self.rejected += 1
+            return
+        dw = self.by_id[placed.decode_worker]
+        pw = self.by_id[placed.prefill_worker] if placed.prefill_worker else dw
+        hit = max(view.overlap[pw.wid], view.remote_overlap)
+        r = _Req(tr, dw.idx, max(1, tr.input_length - hit * self.bs))
+        pw.queue.append(r)
+        pw.queued_tokens += r.est
+        self.kick(pw)
+
+    # --- worker steps ------------------------------------------------------------------------------------
+    def kick(self, w: _Worker) -> None:
+        if not w.busy:
+            self.plan(w)
+
+    def admit(self, w: _Worker) -> None:
+        r = w.queue[0]
+        hashes = r.tr.hash_ids
+        local = w.prefix(hashes)
+        decodes_here = w.role != "prefill" and r.decode_w == w.idx
+        total = -(-(r.tr.input_length + (r.tr.output_length if decodes_here else 0)) // self.bs)
+        total = max(total, len(hashes))
+        need = total - local
+        newly_pinned = sum(1 for h in hashes[:local] if h not in w.pinned)
+        busy_elsewhere = w.pinned or w.private
+        if w.cap - (len(w.pinned) + newly_pinned + w.private) < need and busy_elsewhere:
+            return  # wait for running requests to free blocks (head-of-line, FIFO)
+        w.queue.popleft()
+        w.queued_tokens -= r.est
+        for h in hashes[:local]:
+            w.pin(h)
+        r.pinned, r.private, r.total_blocks, r.local = hashes[:local], need, total, local
+        w.private += need
+        w.evict()
+        tier = self.tier_prefix(hashes) if self.tier_cap else 0
+        for h in reversed(hashes[:tier]):
+            self.tier.move_to_end(h)
+        r.hit = max(local, tier)
+        r.pull_blocks = max(0, tier - local)
+        r.uncached = max(1, r.tr.input_length - r.hit * self.bs)
+        self.hit_blocks += r.hit
+        self.local_blocks += local
+        self.total_blocks += len(hashes)
+        w.cur = r
+
+    def plan(self, w: _Worker) -> None:
+        if w.cur is None and w.queue:
+            self.admit(w)
+        batch = len(w.running)
+        if w.cur is not None:
+            r = w.cur
+            c = min(self.p.chunk_tokens, r.uncached - r.done)
+            ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
+            dt = self.p.prefill_a * ((ctx + c) ** 2 - ctx ** 2) + self.p.prefill_b * c
+            if r.done == 0:
+                dt += self.p.prefill_c + r.pull_blocks * self.block_s
+            dt += self.p.decode_step_s(batch, w.kv_tokens)
+            w.busy = True
+            self.push(self.now + dt, _STEP, (w.idx, 1, c))
+            return
+        if not batch:
+            w.busy = False
+            return
+        # decode only: advance k steps at once, up to the next finish or the first step boundary after the next
+        # event that could change this worker (an arrival or a handoff)
+        limit = min(self.trace[self.next_arrival].arrival_s if self.next_arrival < len(self.trace) else math.inf,
+                    self.handoffs[0] if self.handoffs else math.inf)
+        kmax = min(r.tr.output_length - r.generated for r in w.running)
+        t, kv, k = self.now, w.kv_tokens, 0
+        while k < kmax:
+            t += self.p.decode_step_s(batch, kv)
+            kv += batch
+            k += 1
+            if t >= limit:
+                break
+        w.busy = True
+        self.push(t, _STEP, (w.idx, k, 0))
+
+    def step_done(self, widx: int, k: int, chunk: int) -> None:
+        w = self.workers[widx]
+        if w.running:
+            w.kv_tokens += k * len(w.running)
+            still = []
+            for r in w.running:
+                r.generated += k
+                if r.generated >= r.tr.output_length:
+                    self.finish(w, r)
+                else:
+                    still.append(r)
+            w.running = still
+        r = w.cur
+        if r is not None:
+            r.done += chunk
+            if r.done >= r.uncached:
+                w.cur = None
+                self.prefilled(w, r)
+        self.plan(w)
+
+    def prefilled(self, w: _Worker, r: _Req) -> None:
+        hashes = r.tr.hash_ids
+        fresh = 0
+        for h in hashes[r.local:]:
+            fresh += not w.pin(h)
+        w.private -= len(hashes) - r.local
+        r.private -= len(hashes) - r.local
+        r.pinned = hashes
+        w.evict()
+        if self.tier_cap:
+            for h in reversed(hashes):
+                self.tier[h] = None
+                self.tier.move_to_end(h)
+            while len(self.tier) > self.tier_cap:
+                self.tier.popitem(last=False)
+        if r.decode_w != w.idx:  # disaggregated: ship the KV to the decode worker
+            w.release(r)
+            t = self.now + len(hashes) * self.block_s
+            heapq.heappush(self.handoffs, t)
+            self.push(t, _HANDOFF, r)
+            return
+        self.start_decode(w, r)
+
+    def start_decode(self, w: _Worker, r: _Req) -> None:
+        r.first_s = self.now
+        r.generated = 1
+        if r.generated >= r.tr.output_length:
+            self.finish(w, r)
+            return
+        w.running.append(r)
+        w.kv_tokens += r.tr.input_length + 1
+
+    def handoff(self, r: _Req) -> None:
+        heapq.heappop(self.handoffs)
+        w = self.workers[r.decode_w]
+        r.total_blocks = -(-(r.tr.input_length + r.tr.output_length) // self.bs)
+        r.private = r.total_blocks
+        w.private += r.private
+        w.evict()
+        self.start_decode(w, r)
+        self.kick(w)
+
+    def finish(self, w: _Worker, r: _Req) -> None:
+        w.release(r)
+        w.kv_tokens -= r.tr.input_length + r.generated
+        r.generated = r.tr.output_length
+        self.done.append((r, self.now))
+
+    def run(self) -> None:
+        if self.trace:
+            self.push(self.trace[0].arrival_s, _ARRIVAL, 0)
+        while self.events:
+            t, kind, _, data = heapq.heappop(self.events)
+            self.now = t
+            if kind == _ARRIVAL:
+                self.next_arrival = data + 1
+                if data + 1 < len(self.trace):
+                    self.push(self.trace[data + 1].arrival_s, _ARRIVAL, data + 1)
+                self.arrive(self.trace[data])
+            elif kind == _STEP:
+                self.step_done(*data)
+            else:
+                self.handoff(data)
+
+
+def _make_policy(name: str, seed: int):
+    from shared.sched.policies import POLICIES
+    params = inspect.signature(POLICIES[name]).parameters if name in POLICIES else {}
+    return make_policy(name, **({"seed": seed} if "seed" in params else {}))
+
+
+def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str = "llama70b-h200",
+             num_workers: int = 8, kv_capacity_blocks: int | None = None, ttft_slo_s: float | None = 2.0,
+             tpot_slo_s: float | None = 0.05, cache_tier_blocks: int = 0, seed: int = 0, speed: float = 1.0,
+             prefill_workers: int = 0, block_size: int = 512, kv_capacity_frac: float = 0.3,
+             price_cached_per_m: float = 0.02, price_uncached_per_m: float = 1.0,
+             price_output_per_m: float = 0.0) -> dict:
+    """Replay ``trace`` (already loaded; ``speed`` is recorded, apply it in ``load_trace``) and return metrics.
+
+    ``num_workers`` aggregated workers, or with ``prefill_workers`` > 0: that many prefill workers plus
+    ``num_workers`` decode workers. ``kv_capacity_blocks`` is per worker; None: ``kv_capacity_frac`` of the
+    trace's distinct blocks spread over the workers.
+    """
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    ndist = distinct_blocks(trace)
+    if kv_capacity_blocks is None:
+        kv_capacity_blocks = max(1, math.ceil(kv_capacity_frac * ndist / (num_workers + prefill_workers)))
+    sim = _Sim(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
+               ttft_slo_s, cache_tier_blocks, block_size)
+    sim.run()
+    ttfts, tpots, met, cached_tok, uncached_tok, out_tok = [], [], 0, 0, 0, 0
+    for r, end in sim.done:
+        ttft = r.first_s - r.tr.arrival_s
+        ttfts.append(ttft)
+        ok = ttft_slo_s is None or ttft <= ttft_slo_s
+        if r.tr.output_length > 1:
+            tpot = (end - r.first_s) / (r.tr.output_length - 1)
+            tpots.append(tpot)
+            ok = ok and (tpot_slo_s is None or tpot <= tpot_slo_s)
+        met += ok
+        c = min(r.tr.input_length, r.hit * block_size)
+        cached_tok += c
+        uncached_tok += r.tr.input_length - c
+        out_tok += r.tr.output_length
+    start = trace[0].arrival_s if trace else 0.0
+    makespan = max([end for _, end in sim.done] + [sim.now]) - start if trace else 0.0
+    gpu_hours = len(sim.workers) * prof.gpus_per_worker * makespan / 3600.0
+    revenue = (cached_tok * price_cached_per_m + uncached_tok * price_uncached_per_m
+               + out_tok * price_output_per_m) / 1e6
+    ideal = ideal_hit_rate(trace)
+    hit = sim.hit_blocks / sim.total_blocks if sim.total_blocks else 0.0
+    res = {
+        "policy": policy_name, "profile": prof.name, "workers": num_workers, "prefill_workers": prefill_workers,
+        "kv_capacity_blocks": kv_capacity_blocks, "cache_tier_blocks": cache_tier_blocks, "seed": seed,
+        "speed": speed, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "requests": len(trace),
+        "served": len(sim.done), "rejected": sim.rejected, "distinct_blocks": ndist,
+        "hit_rate": round(hit, 6), "local_hit_rate": round(sim.local_blocks / max(1, sim.total_blocks), 6),
+        "hit_rate_tokens": round(cached_tok / max(1, cached_tok + uncached_tok), 6),
+        "ideal_hit_rate": round(ideal, 6), "hit_vs_ideal": round(hit / ideal, 6) if ideal else None,
+        "slo_met": met, "slo_attainment": round(met / len(trace), 6) if trace else 0.0,
+        "goodput_rps": round(met / makespan, 6) if makespan > 0 else 0.0, "makespan_s": round(makespan, 6),
+        "gpu_hours": round(gpu_hours, 6), "revenue": round(revenue, 6),
+        "revenue_per_gpu_hour": round(revenue / gpu_hours, 6) if gpu_hours else 0.0,
+        "cached_input_tokens": cached_tok, "uncached_input_tokens": uncached_tok, "output_tokens": out_tok,
+    }
+    res.update(percentiles(ttfts, "ttft"))
+    res.update(percentiles(tpots, "tpot"))
+    res["_ttfts"] = ttfts  # for plot_ttft_cdf; left out of json_line
+    return res

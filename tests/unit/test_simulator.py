@@ -1,0 +1,166 @@
+"""Cluster simulator: exact hit rates on a hand-made trace, determinism, policy ordering, rejection, eviction."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from services.simulate_cli import add_parser, run
+from shared.sched.profiles import LLAMA70B_H200, PROFILES, calibrate, get_profile
+from shared.sched.simulator import TraceRequest, format_table, json_line, load_trace, simulate
+
+BS = 512
+
+
+def _req(idx: int, t: float, ids: list[int], out: int = 4) -> dict:
+    return {"timestamp": int(t * 1000), "input_length": len(ids) * BS, "output_length": out, "hash_ids": ids}
+
+
+HAND = [  # far apart: each request finishes before the next arrives
+    _req(0, 0, [1, 2, 3]),
+    _req(1, 100, [1, 2, 4]),  # 2 of 3 reused
+    _req(2, 200, [1, 2, 3, 5]),  # 3 of 4
+    _req(3, 300, [6, 7]),  # 0 of 2
+    _req(4, 400, [1, 8]),  # 1 of 2
+]  # 6 of 14 blocks were seen before
+
+
+def _write(tmp_path, rows) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _sharing_trace(convs: int = 7, turns: int = 12, root: int = 6) -> list[TraceRequest]:
+    """Multi-turn conversations: turn k of conversation c re-sends the whole history plus one new block."""
+    out, t = [], 0.0
+    for k in range(turns):
+        for c in range(convs):
+            ids = tuple(c * 10_000 + j for j in range(root + k))
+            out.append(TraceRequest(len(out), t, len(ids) * BS, 8, ids))
+            t += 0.5
+    return out
+
+
+def test_load_trace_and_speed(tmp_path):
+    path = _write(tmp_path, HAND)
+    tr = load_trace(path)
+    assert [r.hash_ids for r in tr][1] == (1, 2, 4) and tr[2].arrival_s == 200.0
+    assert load_trace(path, limit=2, speed=4.0)[1].arrival_s == 25.0
+
+
+def test_exact_hit_rate_one_worker(tmp_path):
+    tr = load_trace(_write(tmp_path, HAND))
+    res = simulate(tr, "round_robin", "llama70b-h200", num_workers=1, kv_capacity_blocks=1000,
+                   ttft_slo_s=None, tpot_slo_s=None)
+    assert res["hit_rate"] == pytest.approx(6 / 14, abs=1e-6)
+    assert res["ideal_hit_rate"] == pytest.approx(6 / 14, abs=1e-6)
+    assert res["served"] == 5 and res["rejected"] == 0 and res["slo_attainment"] == 1.0
+    assert res["cached_input_tokens"] == 6 * BS
+
+
+def test_exact_hit_rate_round_robin_two_workers(tmp_path):
+    # w0 gets requests 0, 2, 4; w1 gets 1, 3: hits 0 + 0 + 3 + 0 + 1 of 14
+    tr = load_trace(_write(tmp_path, HAND))
+    res = simulate(tr, "round_robin", "llama70b-h200", num_workers=2, kv_capacity_blocks=1000)
+    assert res["hit_rate"] == pytest.approx(4 / 14, abs=1e-6)
+    assert res["ideal_hit_rate"] == pytest.approx(6 / 14, abs=1e-6)
+    best = simulate(tr, "predictive", "llama70b-h200", num_workers=2, kv_capacity_blocks=1000)
+    assert best["hit_rate"] == pytest.approx(6 / 14, abs=1e-6)
+
+
+def test_same_seed_same_metrics():
+    tr = _sharing_trace()
+    for name in ("kv_cost", "predictive"):
+        a = simulate(tr, name, "llama70b-h200", num_workers=4, kv_capacity_blocks=40, seed=3)
+        b = simulate(tr, name, "llama70b-h200", num_workers=4, kv_capacity_blocks=40, seed=3)
+        assert a == b
+        assert json_line(a) == json_line(b)
+
+
+def test_round_robin_reuses_less_than_cache_policies():
+    tr = _sharing_trace()
+    hits = {name: simulate(tr, name, "llama70b-h200", num_workers=4, kv_capacity_blocks=200)["hit_rate"]
+            for name in ("round_robin", "cache_aware", "kv_cost", "predictive")}
+    for name in ("cache_aware", "kv_cost", "predictive"):
+        assert hits[name] > hits["round_robin"] + 0.2, hits
+
+
+def test_impossible_slo_sheds_load_with_predictive():
+    """Predictive sheds load: with an impossible SLO it still serves requests that find an idle worker (their
+    blocks warm the cache), and rejects what would queue behind others."""
+    burst = [TraceRequest(idx=i, arrival_s=0.0, input_length=2048, output_length=8,
+                          hash_ids=tuple(range(100 * i, 100 * i + 4))) for i in range(8)]
+    res = simulate(burst, "predictive", "llama70b-h200", num_workers=2, kv_capacity_blocks=100, ttft_slo_s=1e-6)
+    # the first finds an idle cluster; from then on half the cluster is queued, so the rest are shed
+    assert res["served"] == 1 and res["rejected"] == 7
+    assert res["slo_attainment"] == 0.0 and res["goodput_rps"] == 0.0
+    rr = simulate(burst, "round_robin", "llama70b-h200", num_workers=2, kv_capacity_blocks=100, ttft_slo_s=1e-6)
+    assert rr["rejected"] == 0 and rr["served"] == len(burst) and rr["slo_attainment"] == 0.0
+
+
+def test_tiny_capacity_evicts():
+    tr = _sharing_trace()
+    big = simulate(tr, "predictive", "llama70b-h200", num_workers=2, kv_capacity_blocks=1000)
+    tiny = simulate(tr, "predictive", "llama70b-h200", num_workers=2, kv_capacity_blocks=12)
+    assert tiny["hit_rate"] < big["hit_rate"] - 0.2
+    assert big["hit_rate"] == pytest.approx(big["ideal_hit_rate"], abs=1e-6)  # everything fits: ideal reached
+    assert tiny["served"] == len(tr)
+
+
+def test_cache_tier_serves_evicted_prefixes():
+    tr = _sharing_trace()
+    no_tier = simulate(tr, "round_robin", "llama70b-h200", num_workers=4, kv_capacity_blocks=12)
+    tier = simulate(tr, "round_robin", "llama70b-h200", num_workers=4, kv_capacity_blocks=12,
+                    cache_tier_blocks=10_000)
+    assert tier["hit_rate"] == pytest.approx(tier["ideal_hit_rate"], abs=1e-6)
+    assert tier["hit_rate"] > no_tier["hit_rate"]
+    assert tier["local_hit_rate"] < tier["hit_rate"]
+
+
+def test_disaggregated_cluster_serves_everything():
+    tr = _sharing_trace(convs=4, turns=4)
+    for name in ("round_robin", "predictive", "kv_cost"):
+        res = simulate(tr, name, "llama70b-h200", num_workers=2, prefill_workers=2, kv_capacity_blocks=100)
+        assert res["served"] + res["rejected"] == len(tr) and res["served"] > 0
+        assert res["ttft_p50_s"] > 0 and res["tpot_p50_s"] > 0
+
+
+def test_metrics_are_sane():
+    tr = _sharing_trace(convs=4, turns=4)
+    res = simulate(tr, "kv_cost", "smollm2-cpu", num_workers=2, kv_capacity_blocks=100, ttft_slo_s=1e9,
+                   tpot_slo_s=1e9)
+    assert res["slo_attainment"] == 1.0 and res["goodput_rps"] == pytest.approx(len(tr) / res["makespan_s"])
+    assert res["ttft_p50_s"] <= res["ttft_p90_s"] <= res["ttft_p99_s"]
+    assert res["gpu_hours"] == pytest.approx(2 * res["makespan_s"] / 3600, rel=1e-4)
+    expect = (res["cached_input_tokens"] * 0.02 + res["uncached_input_tokens"] * 1.0) / 1e6
+    assert res["revenue"] == pytest.approx(expect, rel=1e-5)
+    table = format_table([res])
+    assert "kv_cost" in table and "ideal_hit" in table
+
+
+def test_profiles_and_calibrate():
+    assert set(PROFILES) == {"smollm2-cpu", "llama70b-h200"}
+    cpu = get_profile("smollm2-cpu")
+    assert 2.0 < cpu.prefill_s(1000) < 2.5 and cpu.prefill_s(0) == 0.0
+    assert cpu.decode_step_s(1, 100) == pytest.approx(0.060 + 0.0022 + 2e-5)
+    assert LLAMA70B_H200.kv_bytes_per_token == 327_680
+    assert 0.3 < LLAMA70B_H200.prefill_s(15_000) < 1.5  # a 15k-token prompt on a TP8 H200 worker
+    assert 0.004 < LLAMA70B_H200.decode_step_s(32, 32 * 16_000) < 0.05
+    a, b, c = calibrate([(t, 1e-7 * t * t + 2e-3 * t + 0.01) for t in (64, 256, 512, 1024, 2048)])
+    assert (a, b, c) == pytest.approx((1e-7, 2e-3, 0.01), rel=1e-6)
+    a, b, c = calibrate([(100, 0.1), (200, 0.2), (400, 0.4), (800, 0.79)])  # slightly concave: a clamps to 0
+    assert a >= 0 and b > 0 and c >= 0
+
+
+def test_cli_runs(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--workers", "2", "--policy",
+                              "round_robin,predictive", "--kv-capacity-blocks", "100", "--json"])
+    assert run(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [x["policy"] for x in lines] == ["round_robin", "predictive"]
+    args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--policy", "nope"])
+    assert run(args) == 2

@@ -25,9 +25,10 @@ test: venv
 	./scripts/run_tests.sh $(PY)
 
 bench: venv
-	$(PY) benchmarks/engine_throughput.py
-	$(PY) benchmarks/kv_transfer.py
-	$(PY) benchmarks/e2e_services.py
+	$(PY) -m benchmarks.engine_throughput
+	$(PY) -m benchmarks.kv_transfer
+	$(PY) -m benchmarks.e2e_services
+	$(PY) -m benchmarks.placement_latency
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,22 +15,7 @@ i.e. at import of this module; set it before importing if you want the
 interpreter.
 """
 
-import os
-
-import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without triton
-    triton = None
-    tl = None
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("DEEPINFER_FORCE_TRITON") == "1"
+from kernels.triton_support import tl, triton, use_triton
 
 
 def _check_shapes(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -117,7 +102,7 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Dispatch: Triton on CUDA tensors (or DEEPINFER_FORCE_TRITON=1), else torch."""
-    if _use_triton(key):
+    if use_triton(key):
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

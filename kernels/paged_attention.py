@@ -17,27 +17,14 @@ Invariants (shared by reference and Triton kernel):
 ``TRITON_INTERPRET`` is read when kernels are decorated, i.e. at import.
 """
 
-import os
 from typing import Optional
 
 import torch
-
 import torch.nn.functional as F
 
 from kernels import cpu_paged_attention
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without triton
-    triton = None
-    tl = None
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("DEEPINFER_FORCE_TRITON") == "1"
+from kernels.triton_support import tl, triton, use_triton
 
 
 def paged_decode_attention_reference(
@@ -171,7 +158,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Dispatch: Triton on CUDA tensors (or DEEPINFER_FORCE_TRITON=1); on CPU the C++ kernel for
     float32/float64 when it could be built, else the torch reference."""
-    if _use_triton(query):
+    if use_triton(query):
         fn = paged_decode_attention_triton
     elif query.dtype in (torch.float32, torch.float64) and cpu_paged_attention.load() is not None:
         fn = cpu_paged_attention.paged_decode_attention_cpu

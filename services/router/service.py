@@ -23,7 +23,7 @@ from shared.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.placement import Placer
-from services.router.workers import WorkerTable, choose_transport
+from services.router.workers import InflightAccount, WorkerTable, choose_transport
 from shared.sched.kv_index import KVIndex
 from shared.sched.types import CostModel
 
@@ -142,15 +142,7 @@ class RouterService:
                 prefill_w = None
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
-        placed = [w for w in (prefill_w, decode_w) if w is not None]
-        prefilling = prefill_w or decode_w  # who computes the prompt (reports lag: count it ourselves)
-        for w in placed:
-            w.inflight += 1
-        prefilling.inflight_tokens += len(prompt)
-        pending_prefill = [len(prompt)]  # returned to the worker's account at the first token or the end
-
-        def prefill_done() -> None:
-            prefilling.inflight_tokens -= pending_prefill.pop() if pending_prefill else 0
+        account = InflightAccount(prefill_w, decode_w, len(prompt))
         finished = False
         try:
             sampling = protocol.sampling_to_dict(params)
@@ -165,11 +157,9 @@ class RouterService:
                 work = protocol.DecodeLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                                    reply_to=inbox, cache_salt=req.cache_salt)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w, prefill_done)
+            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w, account.prefill_done)
         finally:
-            for w in placed:
-                w.inflight -= 1
-            prefill_done()
+            account.close()
             await sub.unsubscribe()
             if not finished:  # stop whatever the workers are still doing for this request
                 await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=rid)))

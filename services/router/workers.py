@@ -61,3 +61,27 @@ def choose_transport(prefill: protocol.LoadReport, decode: protocol.LoadReport, 
     if prefill.host != decode.host:
         common = [t for t in common if t not in ("shm", "cuda_ipc")]
     return common[0] if common else None
+
+
+class InflightAccount:
+    """Load this router placed on workers that their heartbeats may not show yet: one request on each placed
+    worker until it ends, and its prompt tokens on the worker computing them until the first token.
+    ``prefill_done`` and ``close`` are idempotent."""
+
+    def __init__(self, prefill: WorkerState | None, decode: WorkerState, prompt_tokens: int) -> None:
+        self.placed = [w for w in (prefill, decode) if w is not None]
+        self.prefilling = prefill or decode
+        for w in self.placed:
+            w.inflight += 1
+        self.pending_tokens = prompt_tokens
+        self.prefilling.inflight_tokens += prompt_tokens
+
+    def prefill_done(self) -> None:
+        self.prefilling.inflight_tokens -= self.pending_tokens
+        self.pending_tokens = 0
+
+    def close(self) -> None:
+        self.prefill_done()
+        for w in self.placed:
+            w.inflight -= 1
+        self.placed = []

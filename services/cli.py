@@ -189,9 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
-    from services import simulate_cli
+    from services import bench_cli, simulate_cli
 
     simulate_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
     serve.add_argument("service", choices=["router", "prefill", "decode"])
@@ -210,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_up(args)
         if args.command == "serve":
             return run_serve(args, extra)
-        if args.command == "simulate":
-            from services import simulate_cli
+        if args.command in ("simulate", "bench"):
+            from services import bench_cli, simulate_cli
 
-            return simulate_cli.run(args)
+            return (simulate_cli if args.command == "simulate" else bench_cli).run(args)
         if args.command == "demo":
             return run_demo(args)
     except DeepinferError as err:

@@ -44,14 +44,22 @@ class DecodeService(Worker):
         else:
             submit = lambda: eng.add_request(req.prompt_token_ids, params, rid, req.cache_salt)
             seq, extra = 0, {}
+        async def ack() -> None:
+            if msg.reply:
+                await msg.respond(protocol.encode(protocol.Ack()))
+
+        handoff = isinstance(req, protocol.KVHandoff)
+        if not handoff:
+            await ack()  # accepted now: an engine step in progress may take seconds to end
         self.track(rid)
         try:
-            async def admitted() -> None:  # KV is in our cache: the prefill side may drop its copy
-                if msg.reply:
-                    await msg.respond(protocol.encode(protocol.Ack()))
-
-            async for out in self.aengine.run(rid, submit, params.max_tokens + 1, admitted):
+            # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
+            async for out in self.aengine.run(rid, submit, params.max_tokens + 1, ack if handoff else None):
                 await self.publish_output(req.reply_to, seq, out, extra if out.finished else None)
                 seq += 1
+        except DeepinferError as err:
+            if handoff:
+                raise  # the prefill side reports it
+            await self.nc.publish(req.reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, seq, err)))
         finally:
             self.untrack(rid)

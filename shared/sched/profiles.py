@@ -84,8 +84,11 @@ def calibrate(samples: Iterable[tuple[int, float]]) -> tuple[float, float, float
 # Measured on this project's 2-core AVX2 machine: SmolLM2-135M-Instruct fp32, 2 threads (engine step timings,
 # ~2.2 s per 1000 prompt tokens; ~60 ms per decode step at batch 1). Refit with calibrate() from live
 # (tokens, seconds) samples and build a new Profile with dataclasses.replace.
-SMOLLM2_CPU_PREFILL = (9.5e-8, 2.2e-3, 0.004)  # a, b, c
-SMOLLM2_CPU_DECODE = (0.060, 0.0022, 2.0e-7)  # base s, per sequence s, per KV token s
+# Measured 2026-12-02 on this 2-core machine, one torch thread per engine (what `deepinfer up` gives each
+# worker): prefill T=16..1024 took 0.117..6.6-7.1 s, fitted with calibrate() (within ~10%); decode steps at
+# batch 1..16 took 0.059..0.17 s, least-squares fit within ~8%.
+SMOLLM2_CPU_PREFILL = (4.7e-6, 1.82e-3, 0.117)  # a, b, c
+SMOLLM2_CPU_DECODE = (0.0594, 0.0039, 1.22e-5)  # base s, per sequence s, per KV token s
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32: 2 * 30 * 3 * 64 * 4 bytes per token.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 

@@ -21,10 +21,11 @@ def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerCo
 
 class InProcessCluster:
     def __init__(self, url: str, folder, prefill: int = 1, decode: int = 1, local_prefill_threshold: int = 0,
-                 policy: str = "predictive", **worker_kw) -> None:
+                 policy: str = "predictive", router_kw: dict | None = None, **worker_kw) -> None:
         self.url, self.folder = url, folder
         self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
-                                                 local_prefill_threshold=local_prefill_threshold, policy=policy))
+                                                 local_prefill_threshold=local_prefill_threshold, policy=policy,
+                                                 **(router_kw or {})))
         self.workers = [PrefillService(worker_config("prefill", url, folder, f"prefill-{i}", **worker_kw))
                         for i in range(prefill)]
         self.workers += [DecodeService(worker_config("decode", url, folder, f"decode-{i}", **worker_kw))

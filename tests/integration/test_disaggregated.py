@@ -1,6 +1,7 @@
 """Router → prefill → decode over a real nats-server: exact tokens on every transport, replicas under
 concurrency, and bad input answered with error codes."""
 import asyncio
+import time
 import random
 
 import msgpack
@@ -160,5 +161,28 @@ async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, fo
             monkeypatch.undo()
             ids, _, _ = await generate(nc, request(list(range(3, 50)), prefill_mode="remote", transport="shm"))
             assert len(ids) == MAX_TOKENS  # and the pair keeps serving
+        finally:
+            await nc.close()
+
+
+async def test_slow_engine_steps_do_not_fail_dispatch(nats_server, folder, monkeypatch):
+    """A worker accepts work at once even while a long engine step runs (found by the trace replay: 7 s
+    CPU steps made every dispatch time out as `unavailable`)."""
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1,
+                                router_kw={"dispatch_timeout_s": 0.3}) as cluster:
+        engine = cluster.workers[0].engine
+        real_step = engine.step
+
+        def slow_step():
+            time.sleep(0.6)  # longer than the router's dispatch timeout
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", slow_step)
+        nc = await connect(nats_server.url)
+        try:
+            first = asyncio.create_task(generate(nc, request([5, 6, 7], max_tokens=4, prefill_mode="local")))
+            await asyncio.sleep(0.2)  # the engine is now inside a slow step
+            second = await generate(nc, request([8, 6, 7], max_tokens=2, prefill_mode="local"))
+            assert len((await first)[0]) == 4 and len(second[0]) == 2
         finally:
             await nc.close()

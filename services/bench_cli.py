@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic.jsonl"
 
@@ -80,7 +81,8 @@ def _ratio(sim, meas):
     return round(sim / meas, 4) if sim is not None and meas else None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
+    """Run the subcommand; all terminal output goes through ``emit`` (print-like; the CLI passes print)."""
     from shared.sched.replay import metrics_from_replay, scaled_requests
     from shared.sched.sim_metrics import format_table, json_line
     from shared.sched.simulator import load_trace
@@ -89,10 +91,10 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace, limit=args.limit, speed=args.speed)  # arrivals already / speed
         reqs = scaled_requests(trace, scale=args.scale, vocab=args.vocab, seed=args.seed)
     except (OSError, ValueError) as err:
-        print(f"deepinfer bench: {err}", file=sys.stderr)
+        emit(f"deepinfer bench: {err}", file=sys.stderr)
         return 2
     if not reqs:
-        print("deepinfer bench: empty trace", file=sys.stderr)
+        emit("deepinfer bench: empty trace", file=sys.stderr)
         return 2
     results, wall = asyncio.run(_replay(args, reqs))
     if args.save:
@@ -103,22 +105,22 @@ def run(args: argparse.Namespace) -> int:
         label="measured", speed=args.speed, workers=max(1, args.decode), prefill_workers=max(0, args.prefill),
         replay_wall_s=round(wall, 3), scale=args.scale)
     rows = [measured]
-    print(json_line(measured), flush=True)
+    emit(json_line(measured), flush=True)
     if args.simulate:
         sim = simulate_scaled(trace, reqs, args)
         sim["policy"] = f"sim:{args.sim_policy}"
         rows.append(sim)
-        print(json_line(sim), flush=True)
+        emit(json_line(sim), flush=True)
         cmp = {"ttft_p50_ratio": _ratio(sim.get("ttft_p50_s"), measured.get("ttft_p50_s")),
                "tpot_p50_ratio": _ratio(sim.get("tpot_p50_s"), measured.get("tpot_p50_s"))}
-        print(json.dumps({"simulated_over_measured": cmp}), flush=True)
+        emit(json.dumps({"simulated_over_measured": cmp}), flush=True)
     if not args.json:
         m = dict(measured)
         m.setdefault("profile", "live")
         m["kv_capacity_blocks"] = rows[-1]["kv_capacity_blocks"] if args.simulate else "-"
-        print(format_table([m] + rows[1:]))
+        emit(format_table([m] + rows[1:]))
         if measured["errors"]:
-            print(f"errors: {measured['error_codes']}")
+            emit(f"errors: {measured['error_codes']}")
         if args.simulate:
-            print(f"simulated/measured: ttft p50 {cmp['ttft_p50_ratio']}  tpot p50 {cmp['tpot_p50_ratio']}")
+            emit(f"simulated/measured: ttft p50 {cmp['ttft_p50_ratio']}  tpot p50 {cmp['tpot_p50_ratio']}")
     return 0

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("simulate", "bench"):
             from services import bench_cli, simulate_cli
 
-            return (simulate_cli if args.command == "simulate" else bench_cli).run(args)
+            return (simulate_cli if args.command == "simulate" else bench_cli).run(args, print)
         if args.command == "demo":
             return run_demo(args)
     except DeepinferError as err:

@@ -5,6 +5,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic.jsonl"
 
@@ -39,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
+    """Run the subcommand; all terminal output goes through ``emit`` (print-like; the CLI passes print)."""
     from shared.sched.policies import POLICIES
     from shared.sched.simulator import (distinct_blocks, format_table, json_line, load_trace, plot_ttft_cdf,
                                         simulate)
@@ -47,16 +49,16 @@ def run(args: argparse.Namespace) -> int:
     names = list(POLICIES) if args.policy == "all" else [n.strip() for n in args.policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        print(f"deepinfer simulate: unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}",
+        emit(f"deepinfer simulate: unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}",
               file=sys.stderr)
         return 2
     try:
         trace = load_trace(args.trace, limit=args.limit, speed=args.speed)
     except OSError as err:
-        print(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
+        emit(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
         return 2
     if not trace:
-        print("deepinfer simulate: empty trace", file=sys.stderr)
+        emit("deepinfer simulate: empty trace", file=sys.stderr)
         return 2
     prefill = max(0, args.prefill)
     workers = (args.decode if args.decode is not None else args.workers) if prefill else args.workers
@@ -72,15 +74,15 @@ def run(args: argparse.Namespace) -> int:
                        prefill_workers=prefill, block_size=args.block_size, price_cached_per_m=args.price_cached,
                        price_uncached_per_m=args.price_uncached, price_output_per_m=args.price_output)
         results.append(res)
-        print(json_line(res), flush=True)
-        print(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+        emit(json_line(res), flush=True)
+        emit(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     if not args.json:
-        print(format_table(results))
+        emit(format_table(results))
     if args.plot:
         try:
             plot_ttft_cdf(results, args.plot)
         except RuntimeError as err:
-            print(f"deepinfer simulate: {err}", file=sys.stderr)
+            emit(f"deepinfer simulate: {err}", file=sys.stderr)
             return 2
-        print(f"wrote {args.plot}")
+        emit(f"wrote {args.plot}")
     return 0

@@ -9,103 +9,20 @@ from __future__ import annotations
 
 import heapq
 import inspect
-import json
 import math
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
 
 from shared.sched.policies import make_policy
 from shared.sched.profiles import Profile, get_profile
 from shared.sched.sim_metrics import (distinct_blocks, format_table, ideal_hit_rate, json_line, percentiles,
                                       plot_ttft_cdf)
+from shared.sched.sim_state import _Req, _Worker
+from shared.sched.trace import TraceRequest, load_trace
 from shared.sched.types import ClusterView, Placement, RequestInfo, WorkerView
 
 __all__ = ["TraceRequest", "load_trace", "simulate", "format_table", "json_line", "plot_ttft_cdf",
            "ideal_hit_rate", "distinct_blocks"]
 _STEP, _HANDOFF, _ARRIVAL = 0, 1, 2  # event kinds; equal times: finish work before taking new arrivals
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    idx: int
-    arrival_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: str, limit: int | None = None, speed: float = 1.0) -> list[TraceRequest]:
-    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1 compresses time."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for line in f:
-            if limit is not None and len(out) >= limit:
-                break
-            if line.strip():
-                d = json.loads(line)
-                out.append(TraceRequest(len(out), d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
-                                        int(d["output_length"]), tuple(d["hash_ids"])))
-    return out
-
-
-class _Req:
-    __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_blocks", "uncached", "done", "first_s",
-                 "generated", "pinned", "private", "total_blocks")
-
-    def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
-        self.tr, self.decode_w, self.est = tr, decode_w, est
-        self.local = self.hit = self.pull_blocks = self.uncached = self.done = self.generated = 0
-        self.first_s: float | None = None
-        self.pinned: tuple[int, ...] = ()
-        self.private = self.total_blocks = 0
-
-
-class _Worker:
-    def __init__(self, idx: int, role: str, cap: int) -> None:
-        self.idx, self.role, self.cap = idx, role, cap
-        self.wid = f"w{idx:03d}"
-        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced (evictable), oldest first
-        self.pinned: dict[int, int] = {}  # cached and referenced: refcount
-        self.private = 0  # reserved blocks not (yet) identified by a hash
-        self.queue: deque[_Req] = deque()
-        self.queued_tokens = 0
-        self.cur: _Req | None = None
-        self.running: list[_Req] = []
-        self.kv_tokens = 0
-        self.busy = False
-
-    def prefix(self, hashes: tuple[int, ...]) -> int:
-        n = 0
-        for h in hashes:
-            if h in self.pinned or h in self.lru:
-                n += 1
-            else:
-                break
-        return n
-
-    def evict(self) -> None:
-        while self.lru and len(self.lru) + len(self.pinned) + self.private > self.cap:
-            self.lru.popitem(last=False)
-
-    def pin(self, h: int) -> bool:
-        """Reference block ``h``; True if it was already cached."""
-        if h in self.pinned:
-            self.pinned[h] += 1
-            return True
-        cached = self.lru.pop(h, 0) is None
-        self.pinned[h] = 1
-        return cached
-
-    def release(self, r: _Req) -> None:
-        for h in reversed(r.pinned):  # tail blocks become the oldest: evicted before the prefix they extend
-            n = self.pinned[h] - 1
-            if n:
-                self.pinned[h] = n
-            else:
-                del self.pinned[h]
-                self.lru[h] = None
-        self.private -= r.private
-        r.pinned, r.private = (), 0
 
 
 class _Sim:

@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import protocol as p
-from shared import subjects
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_validation import WireModel, build, wire_field
@@ -341,32 +340,3 @@ def test_nested_models():
 def test_dict_keys_must_be_str():
     with pytest.raises(DeepinferError, match="'handle'"):
         dataclasses.replace(SAMPLES["KVHandoff"], handle={1: "x"})
-
-
-# ---- subjects --------------------------------------------------------------------------------------------
-
-def test_subjects():
-    assert subjects.GENERATE == "di.v1.generate" and subjects.CANCEL == "di.v1.cancel"
-    assert subjects.KV_EVENTS == "di.v1.kv.events" and subjects.LOAD_ALL == "di.v1.load.*"
-    assert subjects.prefill("p-0") == "di.v1.prefill.p-0" and subjects.decode("d_1") == "di.v1.decode.d_1"
-    assert subjects.load("w") == "di.v1.load.w" and subjects.kv_pull("t1") == "di.v1.kvx.t1"
-    assert subjects.ctl("router", "status") == "di.v1.ctl.router.status"
-    assert subjects.draft("tiny") == "di.v1.draft.tiny" and subjects.cache("lookup") == "di.v1.cache.lookup"
-    assert "." not in subjects.REGISTRY_BUCKET
-
-
-@pytest.mark.parametrize("token", ["", "a.b", "a*", ">", "a b", "a\tb", "a\nb", "\x00", None, 5, "x" * 200])
-def test_subject_tokens_are_validated(token):
-    for build_subject in (subjects.prefill, subjects.decode, subjects.load, subjects.kv_pull, subjects.draft,
-                          subjects.cache, lambda t: subjects.ctl("svc", t), lambda t: subjects.ctl(t, "op")):
-        with pytest.raises(ValueError):
-            build_subject(token)
-
-
-def test_safe_token():
-    assert subjects.safe_token("tiny-llama") == "tiny-llama"
-    a, b = subjects.safe_token("Qwen/Qwen2.5-0.5B"), subjects.safe_token("Qwen/Qwen2_5-0_5B")
-    assert a != b and subjects.draft(a).startswith("di.v1.draft.Qwen/Qwen2_5-0_5B-")
-    assert subjects.safe_token("Qwen/Qwen2.5-0.5B") == a
-    with pytest.raises(ValueError):
-        subjects.safe_token("")

@@ -159,8 +159,8 @@ def test_cli_runs(tmp_path, capsys):
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--workers", "2", "--policy",
                               "round_robin,predictive", "--kv-capacity-blocks", "100", "--json"])
-    assert run(args) == 0
+    assert run(args, print) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["policy"] for x in lines] == ["round_robin", "predictive"]
     args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--policy", "nope"])
-    assert run(args) == 2
+    assert run(args, print) == 2

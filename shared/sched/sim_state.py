@@ -1,0 +1,71 @@
+"""State of one simulated request and one simulated worker (KV blocks with LRU eviction of unreferenced
+blocks, prefill queue, decode batch). Used only by ``shared/sched/simulator.py``.
+
+Invariant: a block is either pinned (referenced by a running request, with a refcount) or in the LRU
+(cached, evictable), never both; ``len(lru) + len(pinned) + private <= cap`` after ``evict()``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from shared.sched.trace import TraceRequest
+
+
+class _Req:
+    __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_blocks", "uncached", "done", "first_s",
+                 "generated", "pinned", "private", "total_blocks")
+
+    def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
+        self.tr, self.decode_w, self.est = tr, decode_w, est
+        self.local = self.hit = self.pull_blocks = self.uncached = self.done = self.generated = 0
+        self.first_s: float | None = None
+        self.pinned: tuple[int, ...] = ()
+        self.private = self.total_blocks = 0
+
+
+class _Worker:
+    def __init__(self, idx: int, role: str, cap: int) -> None:
+        self.idx, self.role, self.cap = idx, role, cap
+        self.wid = f"w{idx:03d}"
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced (evictable), oldest first
+        self.pinned: dict[int, int] = {}  # cached and referenced: refcount
+        self.private = 0  # reserved blocks not (yet) identified by a hash
+        self.queue: deque[_Req] = deque()
+        self.queued_tokens = 0
+        self.cur: _Req | None = None
+        self.running: list[_Req] = []
+        self.kv_tokens = 0
+        self.busy = False
+
+    def prefix(self, hashes: tuple[int, ...]) -> int:
+        n = 0
+        for h in hashes:
+            if h in self.pinned or h in self.lru:
+                n += 1
+            else:
+                break
+        return n
+
+    def evict(self) -> None:
+        while self.lru and len(self.lru) + len(self.pinned) + self.private > self.cap:
+            self.lru.popitem(last=False)
+
+    def pin(self, h: int) -> bool:
+        """Reference block ``h``; True if it was already cached."""
+        if h in self.pinned:
+            self.pinned[h] += 1
+            return True
+        cached = self.lru.pop(h, 0) is None
+        self.pinned[h] = 1
+        return cached
+
+    def release(self, r: _Req) -> None:
+        for h in reversed(r.pinned):  # tail blocks become the oldest: evicted before the prefix they extend
+            n = self.pinned[h] - 1
+            if n:
+                self.pinned[h] = n
+            else:
+                del self.pinned[h]
+                self.lru[h] = None
+        self.private -= r.private
+        r.pinned, r.private = (), 0

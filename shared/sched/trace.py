@@ -1,0 +1,29 @@
+"""Mooncake-format workload traces (see ../shared/traces/README.md): one request per JSON line with an
+arrival timestamp in ms, input/output lengths and chained prefix-block ids (512 tokens per block)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    idx: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str, limit: int | None = None, speed: float = 1.0) -> list[TraceRequest]:
+    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1 compresses time."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(out) >= limit:
+                break
+            if line.strip():
+                d = json.loads(line)
+                out.append(TraceRequest(len(out), d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
+                                        int(d["output_length"]), tuple(d["hash_ids"])))
+    return out

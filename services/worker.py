@@ -5,10 +5,11 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 
 from shared import protocol, subjects
 from shared.bus import ServiceRuntime, connect
-from shared.config import WorkerConfig
+from shared.config import WorkerConfig, load_config
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -101,3 +102,11 @@ class Worker:
             await transport.close()
         await self.aengine.stop()
         logger.info("%s stopped", self.config.worker_id)
+
+
+def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None) -> None:
+    """``python -m services.<role>``: configure logging, build the config (env then flags), serve until
+    SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(WorkerConfig, argv if argv is not None else sys.argv[1:], role=role)
+    asyncio.run(service_cls(config).run_forever())

@@ -9,6 +9,8 @@ If the extension cannot be built (no compiler), ``load()`` returns ``None`` and 
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -110,6 +112,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #endif
 """
 
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+# The module name carries a digest of everything that shapes the binary, so a built file is never stale.
+_NAME = "deepinfer_cpu_attention_" + hashlib.sha256(
+    "\0".join([_SOURCE, *_CFLAGS, torch.__version__]).encode()).hexdigest()[:12]
+
 _module = None
 _tried = False
 
@@ -121,21 +128,36 @@ def build_dir() -> Path:
     return path
 
 
+def _import_built(path: Path):
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load():
-    """Compile (first call on a machine, ~1 min) or load the extension; ``None`` if it cannot be built."""
+    """Load the extension, compiling it first if this machine has no build yet (~1 min, done by ``make``).
+
+    A built module is imported directly, never through ``load_inline``: that takes a lock file which a
+    process killed mid-load leaves behind, and every later load would wait on it forever.
+    Returns ``None`` (callers use the torch reference) when it cannot be built.
+    """
     global _module, _tried
     if _tried:
         return _module
     _tried = True
     if os.environ.get("DEEPINFER_DISABLE_CPP_KERNELS") == "1":
         return None
+    built = build_dir() / f"{_NAME}.so"
     try:
-        from torch.utils.cpp_extension import load_inline
+        if built.exists():
+            _module = _import_built(built)
+        else:
+            from torch.utils.cpp_extension import load_inline
 
-        _module = load_inline(name="deepinfer_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"],
-                              build_directory=str(build_dir()), verbose=False)
+            _module = load_inline(name=_NAME, cpp_sources=[_SOURCE], functions=["paged_decode"],
+                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir()), verbose=False)
     except Exception as err:  # no compiler / headers: fall back to the torch reference
         logger.warning("CPU attention extension unavailable (%s); using the torch reference", err)
         _module = None

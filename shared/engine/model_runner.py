@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from shared.engine.attention import AttentionMetadata, PrefillChunk
+from kernels import cpu_paged_attention
 from shared.engine import kv_cache
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampler import sample
@@ -20,6 +21,8 @@ from shared.model.llama import LlamaModel
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
         self.model, self.bm = model, block_manager
+        if model.device.type == "cpu":
+            cpu_paged_attention.load()  # build/load now, not inside the first decode step
         # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/engine/kv_cache.py)
         self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
                                           model.dtype, model.device)

@@ -19,7 +19,7 @@ def folder(tmp_path_factory):
     return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=9, max_position_embeddings=4096)
 
 
-def long_request(i: int, timeout_s: float = 30.0) -> protocol.GenerateRequest:
+def long_request(i: int, timeout_s: float = 90.0) -> protocol.GenerateRequest:
     return protocol.GenerateRequest(request_id=f"long-{i}", prompt_token_ids=[5 + i, 6, 7, 8] * 10,
                                     max_tokens=3000, temperature=0.0, ignore_eos=True, timeout_s=timeout_s)
 
@@ -46,12 +46,13 @@ async def test_sigkill_decode_worker_mid_stream(nats_server, folder):
         tasks = [asyncio.create_task(collect(nc, long_request(i))) for i in range(6)]
         await asyncio.sleep(3.0)  # streams are flowing on both decode workers
         cluster.kill("decode-0")
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=40)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=100)
         lost = [r for r in results if r[0] == ErrorCode.WORKER_LOST]
         done = [r for r in results if r[0] == 3000]
         assert lost, f"requests on the killed worker must fail with worker_lost: {results}"
         assert len(lost) + len(done) == len(results), results
-        assert all(seconds < 30 for _, seconds in results), "no client may wait past its timeout"
+        assert all(seconds < 90 for _, seconds in results), "no client may wait past its timeout"
+        assert all(seconds < 15 for code, seconds in lost), "a lost worker is noticed within seconds"
         await asyncio.sleep(2.0)  # the router notices the dead worker
         registry = await nc.jetstream().key_value(subjects.REGISTRY_BUCKET)
         for _ in range(40):  # the dead worker's registration expires with the bucket's TTL

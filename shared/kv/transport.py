@@ -168,6 +168,7 @@ class KVTransport(abc.ABC):
         self.stage_timeout = stage_timeout
         self.budget = StagingBudget(max_staged_bytes)
         self.closed = False
+        self._staged: dict[str, Any] = {}  # transfer id -> the subclass's staging record
 
     @property
     def staged_bytes(self) -> int:
@@ -203,6 +204,29 @@ class KVTransport(abc.ABC):
     def _check_open(self) -> None:
         if self.closed:
             raise transfer_failed(f"{self.name} transport of {self.worker_id} is closed")
+
+    def _check_new(self, transfer_id: str) -> None:
+        """Transfer ids are unique among this sender's live transfers (subclasses keep ``_staged``)."""
+        if transfer_id in self._staged:
+            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+
+    async def _reserve(self, transfer_id: str, nbytes: int) -> None:
+        """Wait for ``nbytes`` of staging room for a new transfer; re-check the id afterwards, since another
+        ``stage`` of the same id may have won while we waited (the room is given back then)."""
+        self._check_new(transfer_id)
+        await self.budget.acquire(nbytes, self.stage_timeout)
+        if transfer_id in self._staged:
+            await self.budget.release(nbytes)
+            self._check_new(transfer_id)
+
+
+def handle_fields(handle: dict, transport: str, **kinds: Callable[[Any], Any]) -> tuple:
+    """The handle's transport-specific fields, each converted by its ``kind`` (``str``, ``int``, ``bytes``…);
+    a missing or mistyped field is ``transfer_failed`` naming the transport."""
+    try:
+        return tuple(kind(handle[name]) for name, kind in kinds.items())
+    except (KeyError, TypeError, ValueError) as exc:
+        raise transfer_failed(f"malformed {transport} handle: {exc!r}") from None
 
 
 def deadline_left(deadline: float) -> float:

@@ -33,11 +33,10 @@ class CudaIpcTransport(KVTransport):
 
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         self._check_open()
-        if transfer_id in self._staged:
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        self._check_new(transfer_id)
         device_payload = payload.to("cuda", non_blocking=True).contiguous()  # [n, L, 2, kvh, bs, D]
         nbytes = device_payload.numel() * device_payload.element_size()
-        await self.budget.acquire(nbytes, self.stage_timeout)
+        await self._reserve(transfer_id, nbytes)
         torch.cuda.current_stream().synchronize()  # the bytes exist before anyone can open the handle
         self._staged[transfer_id] = device_payload
         storage = device_payload.untyped_storage()

@@ -37,7 +37,7 @@ from nats import errors as nats_errors
 
 from shared import subjects
 from shared.errors import DeepinferError
-from shared.kv.transport import (KVTransport, check_blocks, check_payload, dtype_name, output_tensor,
+from shared.kv.transport import (KVTransport, handle_fields, check_blocks, check_payload, dtype_name, output_tensor,
                                  sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,8 @@ class NixlTransport(KVTransport):
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         self._check_open()
         payload = check_payload(payload)                       # [n, *block_shape] contiguous CPU
-        if transfer_id in self._staged:
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         nbytes = payload.numel() * payload.element_size()
-        await self.budget.acquire(nbytes, self.stage_timeout)
-        if transfer_id in self._staged:                        # staged concurrently while we waited
-            await self.budget.release(nbytes)
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        await self._reserve(transfer_id, nbytes)
         subject = self.subject_for(transfer_id)
         reg = sub = None
         try:
@@ -131,8 +126,7 @@ class NixlTransport(KVTransport):
         """Zero copy: register the whole cache once; the receiver READs the n blocks where they are."""
         self._check_open()
         cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
-        if transfer_id in self._staged:
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        self._check_new(transfer_id)
         key = (cache.data_ptr(), cache.numel() * cache.element_size())
         if key not in self._cache_regs and key[1]:
             try:
@@ -141,10 +135,7 @@ class NixlTransport(KVTransport):
                 raise transfer_failed(f"nixl: cannot register the KV cache: {exc!r}") from exc
         block_bytes = key[1] // max(cache.shape[0], 1)
         nbytes = block_bytes * int(ids.numel())
-        await self.budget.acquire(nbytes, self.stage_timeout)  # bounds outstanding transfers, not memory
-        if transfer_id in self._staged:
-            await self.budget.release(nbytes)
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        await self._reserve(transfer_id, nbytes)  # bounds outstanding transfers, not memory
         subject = self.subject_for(transfer_id)
         self._staged[transfer_id] = (cache, None, None, nbytes)
         try:
@@ -218,11 +209,7 @@ class NixlTransport(KVTransport):
         nbytes = int(handle["nbytes"])
         if nbytes == 0:
             return result
-        try:
-            peer, md, addr, subject = str(handle["agent"]), bytes(handle["md"]), int(handle["addr"]), \
-                str(handle["subject"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise transfer_failed(f"malformed nixl handle: {exc!r}") from None
+        peer, md, addr, subject = handle_fields(handle, "nixl", agent=str, md=bytes, addr=int, subject=str)
         deadline = time.monotonic() + timeout
         await self._check(subject, deadline, "before the READ")
         reg = xfer = None

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shared.errors import DeepinferError
-from shared.kv.transport import (KVTransport, as_bytes, check_blocks, check_payload, dtype_name,
+from shared.kv.transport import (KVTransport, handle_fields, as_bytes, check_blocks, check_payload, dtype_name,
                                  output_tensor, transfer_failed)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
@@ -174,13 +174,9 @@ class ShmTransport(KVTransport):
     async def _stage_into(self, transfer_id: str, dtype: torch.dtype, shape: list[int], fill) -> dict:
         """Reserve budget and a segment, ``await fill(seg bytes [nbytes])``, publish the token."""
         self._check_open()
-        if transfer_id in self._staged:
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        await self.budget.acquire(nbytes, self.stage_timeout)
+        await self._reserve(transfer_id, nbytes)
         try:
-            if transfer_id in self._staged:                   # staged concurrently while we waited
-                raise transfer_failed(f"transfer {transfer_id!r} is already staged")
             seg = await self._take_segment(nbytes)
         except BaseException as exc:
             await self.budget.release(nbytes)
@@ -234,10 +230,7 @@ class ShmTransport(KVTransport):
         nbytes = int(handle["nbytes"])
         if nbytes == 0:
             return result
-        try:
-            name, token, offset = str(handle["segment"]), int(handle["token"]), int(handle["offset"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise transfer_failed(f"malformed shm handle: {exc!r}") from None
+        name, token, offset = handle_fields(handle, "shm", segment=str, token=int, offset=int)
         if offset != HEADER_BYTES:
             raise transfer_failed(f"shm handle offset {offset} != {HEADER_BYTES} (version mismatch?)")
         m = self._mapping(name)

@@ -28,7 +28,7 @@ import torch
 from nats import errors as nats_errors
 
 from shared import subjects
-from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, output_tensor,
+from shared.kv.transport import (KVTransport, handle_fields, as_bytes, check_payload, dtype_name, output_tensor,
                                  sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
@@ -74,18 +74,14 @@ class StreamTransport(KVTransport):
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:
         self._check_open()
         payload = check_payload(payload)                       # [n, *block_shape] contiguous CPU
-        if transfer_id in self._staged:
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        self._check_new(transfer_id)
         max_payload = getattr(self.nc, "max_payload", 0) or 0
         if max_payload and self.chunk_bytes > max_payload - _PAYLOAD_SLACK:
             raise transfer_failed(f"chunk_bytes {self.chunk_bytes} does not fit the server's max_payload "
                                   f"{max_payload} (minus {_PAYLOAD_SLACK} B of slack)")
         data = as_bytes(payload).numpy()
         entry = _Staged(data, payload, self.chunk_bytes)
-        await self.budget.acquire(entry.nbytes, self.stage_timeout)
-        if transfer_id in self._staged:                        # staged concurrently while we waited
-            await self.budget.release(entry.nbytes)
-            raise transfer_failed(f"transfer {transfer_id!r} is already staged")
+        await self._reserve(transfer_id, entry.nbytes)
         self._staged[transfer_id] = entry
         subject = self.subject_for(transfer_id)
         try:
@@ -154,10 +150,7 @@ class StreamTransport(KVTransport):
         self._check_open()
         result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
         nbytes = int(handle["nbytes"])
-        try:
-            subject, chunk, chunks = str(handle["subject"]), int(handle["chunk"]), int(handle["chunks"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise transfer_failed(f"malformed stream handle: {exc!r}") from None
+        subject, chunk, chunks = handle_fields(handle, "stream", subject=str, chunk=int, chunks=int)
         if nbytes == 0:
             return result
         if chunk <= 0 or chunks != -(-nbytes // chunk):

@@ -1,8 +1,8 @@
-"""The router's live view of workers, fed by heartbeats on ``di.v1.load.*``, and load-based placement.
+"""The router's live view of workers, fed by heartbeats on ``di.v1.load.*``.
 
-A worker is alive while its last heartbeat is younger than ``dead_after_s``. Placement here is by load
-only (cache-aware policies arrive with the scheduling layer): prefill → fewest queued + running requests;
-decode → most free KV blocks, then fewest running. Ties break by worker id, so placement is deterministic.
+A worker is alive while its last heartbeat is younger than ``dead_after_s``. Placement itself is the
+policy's (``shared/sched/policies.py`` via ``services/router/placement.py``); ``pick_prefill`` only serves
+requests that force remote prefill when the policy chose local. Ties break by worker id.
 """
 from __future__ import annotations
 
@@ -47,9 +47,6 @@ class WorkerTable:
         return min(self.alive("prefill"), default=None,
                    key=lambda s: (s.report.num_waiting + s.report.num_running + s.inflight, s.report.worker_id))
 
-    def pick_decode(self) -> WorkerState | None:
-        return min(self.alive("decode"), default=None,
-                   key=lambda s: (s.inflight + s.report.num_running, -s.report.num_free_blocks, s.report.worker_id))
 
 
 def choose_transport(prefill: protocol.LoadReport, decode: protocol.LoadReport, forced: str = "") -> str | None:

@@ -24,7 +24,8 @@ class Profile:
     decode_per_kv_token_s: float
     kv_bytes_per_token: int
     transfer_gbps: float  # GB/s from the cache tier / between workers
-    chunk_tokens: int = 8192  # chunked prefill: prompt tokens per mixed step
+    chunk_tokens: int = 8192  # token budget of one step (the engine's max_num_batched_tokens)
+    max_num_seqs: int = 256  # running requests per worker (the engine's max_num_seqs)
     gpus_per_worker: int = 1
     price_per_gpu_hour: float = 0.0  # informational (cost of the hardware)
     note: str = ""
@@ -95,7 +96,7 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 SMOLLM2_CPU = Profile(
     "smollm2-cpu", *SMOLLM2_CPU_PREFILL, *SMOLLM2_CPU_DECODE,
     kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN, transfer_gbps=3.4,  # shared-memory / NIXL loopback (PEERS.md)
-    chunk_tokens=512, gpus_per_worker=1, price_per_gpu_hour=0.0,
+    chunk_tokens=1024, max_num_seqs=64, gpus_per_worker=1, price_per_gpu_hour=0.0,
     note="measured: SmolLM2-135M fp32 on 2 CPU cores")
 
 

@@ -32,7 +32,7 @@ class _Worker:
         self.private = 0  # reserved blocks not (yet) identified by a hash
         self.queue: deque[_Req] = deque()
         self.queued_tokens = 0
-        self.cur: _Req | None = None
+        self.prefill_left = 0  # prompt tokens admitted but not yet computed
         self.running: list[_Req] = []
         self.kv_tokens = 0
         self.busy = False

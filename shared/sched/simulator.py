@@ -62,10 +62,9 @@ class _Sim:
     def view(self, tr: TraceRequest) -> ClusterView:
         views, overlap = [], {}
         for w in self.workers:
-            queued = w.queued_tokens + (w.cur.uncached - w.cur.done if w.cur else 0)
             used = len(w.pinned) + w.private
-            views.append(WorkerView(w.wid, w.role, len(w.running) + (w.cur is not None), len(w.queue), queued,
-                                    max(0, w.cap - used), w.cap, self.bs))
+            views.append(WorkerView(w.wid, w.role, len(w.running), len(w.queue),
+                                    w.queued_tokens + w.prefill_left, max(0, w.cap - used), w.cap, self.bs))
             overlap[w.wid] = w.prefix(tr.hash_ids)
         pre = tuple(v for v in views if v.role in ("prefill", "both"))
         dec = tuple(v for v in views if v.role == "decode")
@@ -92,7 +91,9 @@ class _Sim:
         if not w.busy:
             self.plan(w)
 
-    def admit(self, w: _Worker) -> None:
+    def admit(self, w: _Worker) -> _Req | None:
+        """Move the queue's head into the running batch if its blocks fit (FIFO: a head that does not fit
+        waits for running requests to free blocks); None when it must wait."""
         r = w.queue[0]
         hashes = r.tr.hash_ids
         local = w.prefix(hashes)
@@ -103,7 +104,7 @@ class _Sim:
         newly_pinned = sum(1 for h in hashes[:local] if h not in w.pinned)
         busy_elsewhere = w.pinned or w.private
         if w.cap - (len(w.pinned) + newly_pinned + w.private) < need and busy_elsewhere:
-            return  # wait for running requests to free blocks (head-of-line, FIFO)
+            return None
         w.queue.popleft()
         w.queued_tokens -= r.est
         for h in hashes[:local]:
@@ -120,58 +121,78 @@ class _Sim:
         self.hit_blocks += r.hit
         self.local_blocks += local
         self.total_blocks += len(hashes)
-        w.cur = r
+        w.running.append(r)
+        w.prefill_left += r.uncached
+        return r
+
+    def _chunk_s(self, r: _Req, c: int) -> float:
+        ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
+        dt = self.p.prefill_a * ((ctx + c) ** 2 - ctx ** 2) + self.p.prefill_b * c
+        return dt + (r.pull_blocks * self.block_s if r.done == 0 else 0.0)
 
     def plan(self, w: _Worker) -> None:
-        if w.cur is None and w.queue:
-            self.admit(w)
-        batch = len(w.running)
-        if w.cur is not None:
-            r = w.cur
-            c = min(self.p.chunk_tokens, r.uncached - r.done)
-            ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
-            dt = self.p.prefill_a * ((ctx + c) ** 2 - ctx ** 2) + self.p.prefill_b * c
-            if r.done == 0:
-                dt += self.p.prefill_c + r.pull_blocks * self.block_s
-            dt += self.p.decode_step_s(batch, w.kv_tokens)
-            w.busy = True
-            self.push(self.now + dt, _STEP, (w.idx, 1, c))
-            return
-        if not batch:
+        """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
+        requests in admission order (a decode takes 1 token, a prefill the rest of its prompt up to the
+        budget; once the budget is spent the rest of the batch waits a step), then queued requests are
+        admitted while budget, blocks and ``max_num_seqs`` allow."""
+        budget = self.p.chunk_tokens
+        chunks: list[tuple[_Req, int]] = []
+        decoding: list[_Req] = []
+        for r in w.running:
+            if budget <= 0:
+                break
+            if r.done < r.uncached:
+                c = min(r.uncached - r.done, budget)
+                chunks.append((r, c))
+                budget -= c
+            else:
+                decoding.append(r)
+                budget -= 1
+        while w.queue and budget > 0 and len(w.running) < self.p.max_num_seqs:
+            r = self.admit(w)
+            if r is None:
+                break
+            c = min(r.uncached, budget)
+            chunks.append((r, c))
+            budget -= c
+        decodes = len(decoding)
+        if not chunks and not decodes:
             w.busy = False
+            return
+        w.busy = True
+        if chunks:
+            dt = max(self.p.prefill_c, self.p.decode_base_s if decodes else 0.0)
+            dt += sum(self._chunk_s(r, c) for r, c in chunks)
+            if decodes:
+                dt += self.p.decode_step_s(decodes, w.kv_tokens) - self.p.decode_base_s
+            self.push(self.now + dt, _STEP, (w.idx, 1, chunks, decoding))
             return
         # decode only: advance k steps at once, up to the next finish or the first step boundary after the next
         # event that could change this worker (an arrival or a handoff)
         limit = min(self.trace[self.next_arrival].arrival_s if self.next_arrival < len(self.trace) else math.inf,
                     self.handoffs[0] if self.handoffs else math.inf)
-        kmax = min(r.tr.output_length - r.generated for r in w.running)
+        kmax = min(r.tr.output_length - r.generated for r in decoding)
         t, kv, k = self.now, w.kv_tokens, 0
         while k < kmax:
-            t += self.p.decode_step_s(batch, kv)
-            kv += batch
+            t += self.p.decode_step_s(decodes, kv)
+            kv += decodes
             k += 1
             if t >= limit:
                 break
-        w.busy = True
-        self.push(t, _STEP, (w.idx, k, 0))
+        self.push(t, _STEP, (w.idx, k, (), decoding))
 
-    def step_done(self, widx: int, k: int, chunk: int) -> None:
+    def step_done(self, widx: int, k: int, chunks, decoding) -> None:
+        """``k`` steps ended: each request in ``decoding`` gained ``k`` tokens, each chunk was computed."""
         w = self.workers[widx]
-        if w.running:
-            w.kv_tokens += k * len(w.running)
-            still = []
-            for r in w.running:
-                r.generated += k
-                if r.generated >= r.tr.output_length:
-                    self.finish(w, r)
-                else:
-                    still.append(r)
-            w.running = still
-        r = w.cur
-        if r is not None:
-            r.done += chunk
+        w.kv_tokens += k * len(decoding)
+        for r in decoding:
+            r.generated += k
+            if r.generated >= r.tr.output_length:
+                self.finish(w, r)
+        for r, c in chunks:
+            r.done += c
+            w.prefill_left -= c
             if r.done >= r.uncached:
-                w.cur = None
                 self.prefilled(w, r)
         self.plan(w)
 
@@ -191,6 +212,7 @@ class _Sim:
             while len(self.tier) > self.tier_cap:
                 self.tier.popitem(last=False)
         if r.decode_w != w.idx:  # disaggregated: ship the KV to the decode worker
+            w.running.remove(r)
             w.release(r)
             t = self.now + len(hashes) * self.block_s
             heapq.heappush(self.handoffs, t)
@@ -199,12 +221,14 @@ class _Sim:
         self.start_decode(w, r)
 
     def start_decode(self, w: _Worker, r: _Req) -> None:
+        """The step that finished ``r``'s prompt sampled its first token; it decodes from the next step."""
         r.first_s = self.now
         r.generated = 1
+        if r not in w.running:  # arrived by hand-off
+            w.running.append(r)
         if r.generated >= r.tr.output_length:
             self.finish(w, r)
             return
-        w.running.append(r)
         w.kv_tokens += r.tr.input_length + 1
 
     def handoff(self, r: _Req) -> None:
@@ -212,14 +236,17 @@ class _Sim:
         w = self.workers[r.decode_w]
         r.total_blocks = -(-(r.tr.input_length + r.tr.output_length) // self.bs)
         r.private = r.total_blocks
+        r.done = r.uncached  # the prompt's KV arrived: nothing to compute here
         w.private += r.private
         w.evict()
         self.start_decode(w, r)
         self.kick(w)
 
     def finish(self, w: _Worker, r: _Req) -> None:
+        w.running.remove(r)
         w.release(r)
-        w.kv_tokens -= r.tr.input_length + r.generated
+        if r.generated > 1 or r.tr.output_length > 1:
+            w.kv_tokens -= r.tr.input_length + r.generated
         r.generated = r.tr.output_length
         self.done.append((r, self.now))
 
@@ -302,5 +329,5 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     }
     res.update(percentiles(ttfts, "ttft"))
     res.update(percentiles(tpots, "tpot"))
-    res["_ttfts"] = ttfts  # for plot_ttft_cdf; left out of json_line
+    res["_ttfts"], res["_tpots"] = ttfts, tpots  # for plot_ttft_cdf and tests; left out of json_line
     return res

@@ -66,6 +66,16 @@ def test_predictive_trades_queue_against_cache():
     assert Predictive().place(REQ, view).decode_worker == "a"
 
 
+def test_predictive_charges_the_recompute_it_causes():
+    cost = CostModel(prefill_b=1e-3, block_transfer_s=1e-4)
+    # a holds the prefix behind a 170-token queue: TTFT 0.171 s; idle b recomputes all 160 tokens: 0.160 s.
+    # TTFT alone picks b; with half the recompute charged (a 0.1715, b 0.240) the cache holder wins
+    view = agg(both("a", queued=170), both("b"), overlap={"a": 10}, cost=cost)
+    assert Predictive(work_weight=0.0).place(REQ, view).decode_worker == "b"
+    chosen = Predictive().place(REQ, view)
+    assert chosen.decode_worker == "a" and chosen.predicted_ttft_s == pytest.approx(0.171)
+
+
 def test_predictive_counts_pulling_from_a_slower_tier():
     cost = CostModel(prefill_b=1e-3, block_transfer_s=5e-3)
     view = agg(both("a"), both("b", queued=5), overlap={"b": 2}, remote=10, cost=cost)

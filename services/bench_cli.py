@@ -17,6 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     p.add_argument("--url", required=True, help="NATS URL of the running cluster (nats://host:port)")
     p.add_argument("--limit", type=int, default=100, help="first N requests only")
+    p.add_argument("--offset", type=int, default=0, help="skip this many requests first (a later window)")
     p.add_argument("--scale", type=int, default=32, help="divide lengths by this (512/scale tokens per block)")
     p.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier (time compression)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (0 = none)")
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     from shared.sched.simulator import load_trace
 
     try:
-        trace = load_trace(args.trace, limit=args.limit, speed=args.speed)  # arrivals already / speed
+        # arrivals come out already divided by speed
+        trace = load_trace(args.trace, limit=args.limit, speed=args.speed, offset=args.offset)
         reqs = scaled_requests(trace, scale=args.scale, vocab=args.vocab, seed=args.seed)
     except (OSError, ValueError) as err:
         emit(f"deepinfer bench: {err}", file=sys.stderr)

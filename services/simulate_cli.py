@@ -32,6 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--offset", type=int, default=0, help="skip this many requests first (a later window)")
     p.add_argument("--price-cached", type=float, default=0.02, help="per million cached input tokens")
     p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
     p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
               file=sys.stderr)
         return 2
     try:
-        trace = load_trace(args.trace, limit=args.limit, speed=args.speed)
+        trace = load_trace(args.trace, limit=args.limit, speed=args.speed, offset=args.offset)
     except OSError as err:
         emit(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
         return 2

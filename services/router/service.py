@@ -67,9 +67,16 @@ class RouterService:
         except DeepinferError as err:
             logger.warning("bad heartbeat: %s", err)
             return
-        last = self.index.last_seq(report.worker_id)
+        wid = report.worker_id
+        last = self.index.last_seq(wid)
+        prev = self.table.workers.get(wid)
         if last is not None and report.kv_event_seq < last:  # restarted under the same id: start over
-            self.index.remove_worker(report.worker_id)
+            self.index.remove_worker(wid)
+        elif (prev is not None and prev.report.kv_event_seq > (last or 0) and wid not in self._resyncing
+              and self.table.is_alive(wid)):
+            # the previous heartbeat announced events a whole heartbeat ago that never arrived (lost while the
+            # worker went idle, or published before this router started): nothing else would ever notice
+            asyncio.create_task(self._resync(wid))
         self.table.update(report)
 
     async def on_kv_event(self, msg) -> None:

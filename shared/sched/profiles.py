@@ -6,7 +6,7 @@ policies see, so the simulator and the router's policies reason with the same nu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -26,12 +26,21 @@ class Profile:
     transfer_gbps: float  # GB/s from the cache tier / between workers
     chunk_tokens: int = 8192  # token budget of one step (the engine's max_num_batched_tokens)
     max_num_seqs: int = 256  # running requests per worker (the engine's max_num_seqs)
+    # A prefill chunk of c tokens after ctx tokens already in the KV costs a*c^2 + ctx_a*c*ctx + b*c (plus the
+    # per-step c). None: 2a, a causal kernel that skips the masked half (the unchunked prompt's cost, as flash
+    # attention on GPU); a, an explicit-mask SDPA that computes the whole c x (ctx+c) rectangle
+    prefill_ctx_a: float | None = None
     gpus_per_worker: int = 1
     price_per_gpu_hour: float = 0.0  # informational (cost of the hardware)
     note: str = ""
 
     def prefill_s(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.prefill_a * tokens * tokens + self.prefill_b * tokens + self.prefill_c
+
+    def chunk_s(self, ctx: int, c: int) -> float:
+        """Prefill of ``c`` prompt tokens after ``ctx`` tokens already in the KV, without the per-step cost."""
+        ctx_a = 2 * self.prefill_a if self.prefill_ctx_a is None else self.prefill_ctx_a
+        return self.prefill_a * c * c + ctx_a * c * ctx + self.prefill_b * c
 
     def decode_step_s(self, batch_size: int, kv_tokens: int) -> float:
         if batch_size <= 0:
@@ -50,54 +59,76 @@ class Profile:
                          decode_step_s=self.decode_step_s(typical_batch, typical_kv_tokens))
 
 
-def calibrate(samples: Iterable[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least-squares fit of prefill seconds = a*T^2 + b*T + c to (tokens, seconds) samples, clamped >= 0.
+def fit_nonnegative(columns: Sequence[np.ndarray], seconds: np.ndarray) -> list[float]:
+    """Coefficients >= 0 of ``sum(coef[i] * columns[i])`` minimising the squared *relative* error against
+    ``seconds``: step times span two orders of magnitude, and a 10% miss on a 0.1 s step matters as much as one
+    on a 7 s step. Exact: every subset of the columns is solved and the best non-negative one kept."""
+    s = np.asarray(seconds, dtype=np.float64)
+    if len(s) < len(columns):
+        raise ValueError(f"need at least {len(columns)} samples, got {len(s)}")
+    if np.any(s <= 0):
+        raise ValueError("step times must be positive")
+    cols = [np.asarray(c, dtype=np.float64) / s for c in columns]  # rows scaled by 1/s: relative residuals
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 1 << len(cols)):
+        idx = [i for i in range(len(cols)) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in idx], axis=1), np.ones_like(s), rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = [0.0] * len(cols)
+        for i, v in zip(idx, coef):
+            full[i] = float(v)
+        err = float(np.sum((sum(f * c for f, c in zip(full, cols)) - 1.0) ** 2))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    return best[1] if best is not None else [0.0] * len(cols)
 
-    With a clamped coefficient the others are refitted without it, so the result stays a least-squares fit.
-    """
+
+def calibrate(samples: Iterable[tuple[int, float]]) -> tuple[float, float, float]:
+    """(a, b, c) of prefill seconds = a*T^2 + b*T + c from (tokens, seconds) samples (``fit_nonnegative``)."""
     pts = [(float(t), float(s)) for t, s in samples]
     if len(pts) < 3:
         raise ValueError("calibrate needs at least 3 (tokens, seconds) samples")
     t = np.array([p[0] for p in pts])
-    s = np.array([p[1] for p in pts])
-    a, b, c = (float(x) for x in np.polyfit(t, s, 2))
-    if min(a, b, c) >= 0:
-        return a, b, c
-    best = None  # non-negative least squares over the subsets of {T^2, T, 1}: tiny, exact enough
-    cols = [t * t, t, np.ones_like(t)]
-    for mask in range(1, 8):
-        idx = [i for i in range(3) if mask >> i & 1]
-        coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in idx], axis=1), s, rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = [0.0, 0.0, 0.0]
-        for i, v in zip(idx, coef):
-            full[i] = float(v)
-        err = float(np.sum((full[0] * t * t + full[1] * t + full[2] - s) ** 2))
-        if best is None or err < best[0]:
-            best = (err, full)
-    if best is None:
-        return 0.0, 0.0, max(0.0, float(np.mean(s)))
-    return best[1][0], best[1][1], best[1][2]
+    a, b, c = fit_nonnegative([t * t, t, np.ones_like(t)], np.array([p[1] for p in pts]))
+    return a, b, c
+
+
+def calibrate_chunks(samples: Iterable[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """(a, ctx_a, b, c) of one prefill step of ``n`` tokens after ``ctx`` cached ones,
+    seconds = a*n^2 + ctx_a*n*ctx + b*n + c, from (ctx, n, seconds) samples (ctx 0: a fresh prompt)."""
+    pts = np.array([(float(x), float(n), float(s)) for x, n, s in samples]).reshape(-1, 3)
+    x, n = pts[:, 0], pts[:, 1]
+    a, ctx_a, b, c = fit_nonnegative([n * n, n * x, n, np.ones_like(n)], pts[:, 2])
+    return a, ctx_a, b, c
+
+
+def calibrate_decode(samples: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(base, per_seq, per_kv_token) of decode seconds = base + per_seq*B + per_kv*K from (B, K, seconds)."""
+    pts = np.array([(float(b), float(k), float(s)) for b, k, s in samples]).reshape(-1, 3)
+    base, per_seq, per_kv = fit_nonnegative([np.ones(len(pts)), pts[:, 0], pts[:, 1]], pts[:, 2])
+    return base, per_seq, per_kv
 
 
 # --- smollm2-cpu -------------------------------------------------------------------------------------
-# Measured on this project's 2-core AVX2 machine: SmolLM2-135M-Instruct fp32, 2 threads (engine step timings,
-# ~2.2 s per 1000 prompt tokens; ~60 ms per decode step at batch 1). Refit with calibrate() from live
-# (tokens, seconds) samples and build a new Profile with dataclasses.replace.
-# Measured 2026-12-02 on this 2-core machine, one torch thread per engine (what `deepinfer up` gives each
-# worker): prefill T=16..1024 took 0.117..6.6-7.1 s, fitted with calibrate() (within ~10%); decode steps at
-# batch 1..16 took 0.059..0.17 s, least-squares fit within ~8%.
-SMOLLM2_CPU_PREFILL = (4.7e-6, 1.82e-3, 0.117)  # a, b, c
-SMOLLM2_CPU_DECODE = (0.0594, 0.0039, 1.22e-5)  # base s, per sequence s, per KV token s
+# Measured 2026-12-02 on this project's 2-core AVX2 machine with `python -m benchmarks.calibrate_profile
+# --threads 1 --reps 3` (SmolLM2-135M-Instruct fp32, one torch thread: what `deepinfer up` gives each worker;
+# samples in benchmarks/data/smollm2_cpu_calibration.json): fresh prefills T=16..1024 took 0.12..6.15 s, chunks
+# after 512..3072 cached tokens 0.59..17.4 s, decode steps (B=1..32, K=67..8305) 0.053..0.188 s. Relative
+# least-squares fit: every sample within 15%. The CPU engine's chunk attention is an explicit-mask SDPA over
+# the whole context, so the context term is fitted (ctx_a ~ 0.8a), not the 2a of a causal kernel.
+SMOLLM2_CPU_PREFILL = (3.51e-6, 2.08e-3, 0.0913)  # a, b, c
+SMOLLM2_CPU_PREFILL_CTX_A = 2.89e-6
+SMOLLM2_CPU_DECODE = (0.0488, 0.00383, 8.76e-6)  # base s, per sequence s, per KV token s
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32: 2 * 30 * 3 * 64 * 4 bytes per token.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 SMOLLM2_CPU = Profile(
     "smollm2-cpu", *SMOLLM2_CPU_PREFILL, *SMOLLM2_CPU_DECODE,
     kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN, transfer_gbps=3.4,  # shared-memory / NIXL loopback (PEERS.md)
-    chunk_tokens=1024, max_num_seqs=64, gpus_per_worker=1, price_per_gpu_hour=0.0,
-    note="measured: SmolLM2-135M fp32 on 2 CPU cores")
+    chunk_tokens=1024, max_num_seqs=64, prefill_ctx_a=SMOLLM2_CPU_PREFILL_CTX_A, gpus_per_worker=1,
+    price_per_gpu_hour=0.0,
+    note="measured: SmolLM2-135M fp32, one thread per worker on a 2-core CPU")
 
 
 # --- llama70b-h200 -----------------------------------------------------------------------------------

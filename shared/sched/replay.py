@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Iterable, Sequence
 
-from shared.sched.sim_metrics import ideal_hit_rate, percentiles
+from shared.sched.sim_metrics import Served, ideal_hit_rate, served_metrics
 
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 FIRST_TOKEN_ID = 3  # skip the special tokens at the bottom of the vocabulary
@@ -129,50 +129,29 @@ def metrics_from_replay(results: Sequence[dict], ttft_slo: float | None, tpot_sl
                         makespan: float | None = None, trace=None, label: str = "measured", **config) -> dict:
     """The simulator's metric keys from measured results. ``makespan`` None: last end - first send.
     ``trace`` (the TraceRequests replayed) gives ``ideal_hit_rate``; ``config`` overrides header fields."""
-    ttfts, tpots, met, cached, prompt_tok, out_tok, errors = [], [], 0, 0, 0, 0, 0
     codes: dict[str, int] = {}
-    served = 0
+    served = []
     for r in results:
         if r.get("error"):
-            errors += 1
             codes[r["error"]] = codes.get(r["error"], 0) + 1
             continue
-        served += 1
-        ttft = r.get("ttft_s")
-        if ttft is not None:
-            ttfts.append(ttft)
-        ok = ttft is not None and (ttft_slo is None or ttft <= ttft_slo)
-        tpot = r.get("tpot_s")
-        if tpot is not None:
-            tpots.append(tpot)
-            ok = ok and (tpot_slo is None or tpot <= tpot_slo)
-        met += ok
-        p = int(r.get("prompt_tokens", 0))
-        cached += min(p, int(r.get("cached_tokens", 0)))
-        prompt_tok += p
-        out_tok += int(r.get("output_tokens", 0))
+        served.append(Served(r.get("ttft_s"), r.get("tpot_s"), int(r.get("prompt_tokens", 0)),
+                             int(r.get("cached_tokens", 0)), int(r.get("output_tokens", 0))))
     if makespan is None:
         sends = [r["sent_s"] for r in results if r.get("sent_s") is not None]
         ends = [r["end_s"] for r in results if r.get("end_s") is not None]
         makespan = (max(ends) - min(sends)) if sends and ends else 0.0
-    hit = cached / prompt_tok if prompt_tok else 0.0
-    ideal = ideal_hit_rate(trace) if trace is not None else None
-    rejected = codes.get("rejected", 0) + codes.get("overloaded", 0)
     res = {
         "policy": label, "profile": "live", "workers": None, "prefill_workers": None,
         "kv_capacity_blocks": None, "cache_tier_blocks": 0, "seed": None, "speed": None,
-        "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo, "requests": len(results), "served": served,
-        "rejected": rejected, "errors": errors, "error_codes": codes,
-        "hit_rate": round(hit, 6), "hit_rate_tokens": round(hit, 6),
-        "ideal_hit_rate": round(ideal, 6) if ideal is not None else None,
-        "hit_vs_ideal": round(hit / ideal, 6) if ideal else None,
-        "slo_met": met, "slo_attainment": round(met / len(results), 6) if results else 0.0,
-        "goodput_rps": round(met / makespan, 6) if makespan and makespan > 0 else 0.0,
-        "makespan_s": round(makespan, 6), "cached_input_tokens": cached,
-        "uncached_input_tokens": prompt_tok - cached, "output_tokens": out_tok,
+        "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo, "requests": len(results), "served": len(served),
+        "rejected": codes.get("rejected", 0) + codes.get("overloaded", 0),
+        "errors": len(results) - len(served), "error_codes": codes,
+        **served_metrics(served, len(results), makespan, ttft_slo, tpot_slo),
     }
-    res.update(percentiles(ttfts, "ttft"))
-    res.update(percentiles(tpots, "tpot"))
+    hit = res["hit_rate_tokens"]
+    ideal = ideal_hit_rate(trace) if trace is not None else None
+    res.update({"hit_rate": hit, "ideal_hit_rate": round(ideal, 6) if ideal is not None else None,
+                "hit_vs_ideal": round(hit / ideal, 6) if ideal else None})
     res.update(config)
-    res["_ttfts"] = ttfts
     return res

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +30,45 @@ def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]
     p50, p90, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 90, 99])
     return {f"{prefix}_p50_s": round(float(p50), 9), f"{prefix}_p90_s": round(float(p90), 9),
             f"{prefix}_p99_s": round(float(p99), 9)}
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One served request, simulated or measured."""
+    ttft_s: float | None
+    tpot_s: float | None  # None with a single output token
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+def served_metrics(served: Sequence[Served], requests: int, makespan_s: float, ttft_slo_s: float | None,
+                   tpot_slo_s: float | None) -> dict:
+    """The metric keys simulated and measured runs share. A request meets the SLOs when it has a TTFT within
+    ``ttft_slo_s`` and (if it has one) a TPOT within ``tpot_slo_s``; None means no SLO. Attainment is over
+    all ``requests`` (rejected and failed ones count as missed); goodput is SLO-meeting requests per second."""
+    ttfts, tpots, met, cached, prompt, out = [], [], 0, 0, 0, 0
+    for r in served:
+        ok = r.ttft_s is not None and (ttft_slo_s is None or r.ttft_s <= ttft_slo_s)
+        if r.ttft_s is not None:
+            ttfts.append(r.ttft_s)
+        if r.tpot_s is not None:
+            tpots.append(r.tpot_s)
+            ok = ok and (tpot_slo_s is None or r.tpot_s <= tpot_slo_s)
+        met += ok
+        cached += min(r.prompt_tokens, r.cached_tokens)
+        prompt += r.prompt_tokens
+        out += r.output_tokens
+    res = {
+        "slo_met": met, "slo_attainment": round(met / requests, 6) if requests else 0.0,
+        "goodput_rps": round(met / makespan_s, 6) if makespan_s and makespan_s > 0 else 0.0,
+        "makespan_s": round(makespan_s, 6), "hit_rate_tokens": round(cached / max(1, prompt), 6),
+        "cached_input_tokens": cached, "uncached_input_tokens": prompt - cached, "output_tokens": out,
+    }
+    res.update(percentiles(ttfts, "ttft"))
+    res.update(percentiles(tpots, "tpot"))
+    res["_ttfts"], res["_tpots"] = ttfts, tpots  # for plot_ttft_cdf and tests; left out of json_line
+    return res
 
 
 def ideal_hit_rate(trace) -> float:

@@ -14,8 +14,8 @@ from collections import OrderedDict
 
 from shared.sched.policies import make_policy
 from shared.sched.profiles import Profile, get_profile
-from shared.sched.sim_metrics import (distinct_blocks, format_table, ideal_hit_rate, json_line, percentiles,
-                                      plot_ttft_cdf)
+from shared.sched.sim_metrics import (Served, distinct_blocks, format_table, ideal_hit_rate, json_line,
+                                      plot_ttft_cdf, served_metrics)
 from shared.sched.sim_state import _Req, _Worker
 from shared.sched.trace import TraceRequest, load_trace
 from shared.sched.types import ClusterView, Placement, RequestInfo, WorkerView
@@ -127,8 +127,7 @@ class _Sim:
 
     def _chunk_s(self, r: _Req, c: int) -> float:
         ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
-        dt = self.p.prefill_a * ((ctx + c) ** 2 - ctx ** 2) + self.p.prefill_b * c
-        return dt + (r.pull_blocks * self.block_s if r.done == 0 else 0.0)
+        return self.p.chunk_s(ctx, c) + (r.pull_blocks * self.block_s if r.done == 0 else 0.0)
 
     def plan(self, w: _Worker) -> None:
         """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
@@ -292,42 +291,28 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     sim = _Sim(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
                ttft_slo_s, cache_tier_blocks, block_size)
     sim.run()
-    ttfts, tpots, met, cached_tok, uncached_tok, out_tok = [], [], 0, 0, 0, 0
-    for r, end in sim.done:
-        ttft = r.first_s - r.tr.arrival_s
-        ttfts.append(ttft)
-        ok = ttft_slo_s is None or ttft <= ttft_slo_s
-        if r.tr.output_length > 1:
-            tpot = (end - r.first_s) / (r.tr.output_length - 1)
-            tpots.append(tpot)
-            ok = ok and (tpot_slo_s is None or tpot <= tpot_slo_s)
-        met += ok
-        c = min(r.tr.input_length, r.hit * block_size)
-        cached_tok += c
-        uncached_tok += r.tr.input_length - c
-        out_tok += r.tr.output_length
+    served = [Served(r.first_s - r.tr.arrival_s,
+                     (end - r.first_s) / (r.tr.output_length - 1) if r.tr.output_length > 1 else None,
+                     r.tr.input_length, min(r.tr.input_length, r.hit * block_size), r.tr.output_length)
+              for r, end in sim.done]
     start = trace[0].arrival_s if trace else 0.0
     makespan = max([end for _, end in sim.done] + [sim.now]) - start if trace else 0.0
-    gpu_hours = len(sim.workers) * prof.gpus_per_worker * makespan / 3600.0
-    revenue = (cached_tok * price_cached_per_m + uncached_tok * price_uncached_per_m
-               + out_tok * price_output_per_m) / 1e6
-    ideal = ideal_hit_rate(trace)
-    hit = sim.hit_blocks / sim.total_blocks if sim.total_blocks else 0.0
     res = {
         "policy": policy_name, "profile": prof.name, "workers": num_workers, "prefill_workers": prefill_workers,
         "kv_capacity_blocks": kv_capacity_blocks, "cache_tier_blocks": cache_tier_blocks, "seed": seed,
         "speed": speed, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "requests": len(trace),
         "served": len(sim.done), "rejected": sim.rejected, "distinct_blocks": ndist,
+        **served_metrics(served, len(trace), makespan, ttft_slo_s, tpot_slo_s),
+    }
+    ideal = ideal_hit_rate(trace)
+    hit = sim.hit_blocks / sim.total_blocks if sim.total_blocks else 0.0
+    gpu_hours = len(sim.workers) * prof.gpus_per_worker * makespan / 3600.0
+    revenue = (res["cached_input_tokens"] * price_cached_per_m + res["uncached_input_tokens"] * price_uncached_per_m
+               + res["output_tokens"] * price_output_per_m) / 1e6
+    res.update({
         "hit_rate": round(hit, 6), "local_hit_rate": round(sim.local_blocks / max(1, sim.total_blocks), 6),
-        "hit_rate_tokens": round(cached_tok / max(1, cached_tok + uncached_tok), 6),
         "ideal_hit_rate": round(ideal, 6), "hit_vs_ideal": round(hit / ideal, 6) if ideal else None,
-        "slo_met": met, "slo_attainment": round(met / len(trace), 6) if trace else 0.0,
-        "goodput_rps": round(met / makespan, 6) if makespan > 0 else 0.0, "makespan_s": round(makespan, 6),
         "gpu_hours": round(gpu_hours, 6), "revenue": round(revenue, 6),
         "revenue_per_gpu_hour": round(revenue / gpu_hours, 6) if gpu_hours else 0.0,
-        "cached_input_tokens": cached_tok, "uncached_input_tokens": uncached_tok, "output_tokens": out_tok,
-    }
-    res.update(percentiles(ttfts, "ttft"))
-    res.update(percentiles(tpots, "tpot"))
-    res["_ttfts"], res["_tpots"] = ttfts, tpots  # for plot_ttft_cdf and tests; left out of json_line
+    })
     return res

@@ -15,15 +15,24 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def load_trace(path: str, limit: int | None = None, speed: float = 1.0) -> list[TraceRequest]:
-    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1 compresses time."""
+def load_trace(path: str, limit: int | None = None, speed: float = 1.0, offset: int = 0) -> list[TraceRequest]:
+    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1 compresses time.
+    ``offset`` skips that many requests first (a later window of the trace); ``idx`` is the row's position
+    among the file's requests, arrivals keep the file's clock (consumers measure from the first one)."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
     out: list[TraceRequest] = []
+    row = 0
     with open(path) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
-            if line.strip():
-                d = json.loads(line)
-                out.append(TraceRequest(len(out), d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
-                                        int(d["output_length"]), tuple(d["hash_ids"])))
+            if not line.strip():
+                continue
+            row += 1
+            if row <= offset:
+                continue
+            d = json.loads(line)
+            out.append(TraceRequest(row - 1, d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
+                                    int(d["output_length"]), tuple(d["hash_ids"])))
     return out

@@ -5,6 +5,7 @@ import pytest
 
 from services.client import generate
 from shared import protocol
+from shared.kv.block_hash import hash_prompt_blocks
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster
 from tests.model_factory import write_tiny_hf_folder
@@ -43,3 +44,32 @@ async def test_repeat_prefixes_follow_the_cache(nats_server, folder, policy, exp
         assert hits == 6, f"{policy}: cached tokens per request {cached}"
     else:
         assert hits < 6, f"{policy} should miss sometimes: {cached}"
+
+
+async def test_events_lost_while_idle_are_recovered_from_heartbeats(nats_server, folder):
+    """A worker that stores blocks and then goes quiet: if the router lost its events (or started after
+    them), the heartbeats' kv_event_seq makes it fetch a snapshot; no new request is needed."""
+    prefix = [(5 * j) % 250 + 3 for j in range(96)]
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            await generate(nc, req(prefix + [1], "warm"))
+            for _ in range(50):
+                if cluster.router.index.stats()["entries"] > 0:
+                    break
+                await asyncio.sleep(0.1)
+            (wid,) = [w for w, s in cluster.router.table.workers.items() if s.report.role == "decode"]
+            rep = cluster.router.table.workers[wid].report
+            hashes = hash_prompt_blocks(prefix, rep.block_size, rep.model_id, "")
+            assert cluster.router.index.overlap(hashes).get(wid, 0) == 12  # 96 tokens in 8-token blocks
+            cluster.router.index.remove_worker(wid)  # fault injection: the router lost every event
+            assert cluster.router.index.overlap(hashes).get(wid, 0) == 0
+            for _ in range(50):  # heartbeats every 0.2 s: resynced within two of them
+                if cluster.router.index.overlap(hashes).get(wid, 0) == 12:
+                    break
+                await asyncio.sleep(0.1)
+            assert cluster.router.index.overlap(hashes).get(wid, 0) == 12
+            _, _, usage = await generate(nc, req(prefix + [2], "again"))
+            assert usage["cached_tokens"] >= 96
+        finally:
+            await nc.close()

@@ -48,6 +48,10 @@ def test_load_trace_and_speed(tmp_path):
     tr = load_trace(path)
     assert [r.hash_ids for r in tr][1] == (1, 2, 4) and tr[2].arrival_s == 200.0
     assert load_trace(path, limit=2, speed=4.0)[1].arrival_s == 25.0
+    window = load_trace(path, limit=2, offset=3)
+    assert [(r.idx, r.hash_ids, r.arrival_s) for r in window] == [(3, (6, 7), 300.0), (4, (1, 8), 400.0)]
+    with pytest.raises(ValueError):
+        load_trace(path, offset=-1)
 
 
 def test_exact_hit_rate_one_worker(tmp_path):
@@ -159,11 +163,16 @@ def test_metrics_are_sane():
 def test_profiles_and_calibrate():
     assert set(PROFILES) == {"smollm2-cpu", "llama70b-h200"}
     cpu = get_profile("smollm2-cpu")
-    assert 6.0 < cpu.prefill_s(1000) < 7.2 and cpu.prefill_s(0) == 0.0  # measured 6.6-7.1 s at 1024, 1 thread
-    assert cpu.decode_step_s(1, 100) == pytest.approx(0.0594 + 0.0039 + 100 * 1.22e-5)
+    assert 5.5 < cpu.prefill_s(1024) < 6.8 and cpu.prefill_s(0) == 0.0  # measured 6.15 s at 1024, 1 thread
+    assert cpu.decode_step_s(1, 100) == pytest.approx(0.0488 + 0.00383 + 100 * 8.76e-6)
     assert LLAMA70B_H200.kv_bytes_per_token == 327_680
     assert 0.3 < LLAMA70B_H200.prefill_s(15_000) < 1.5  # a 15k-token prompt on a TP8 H200 worker
     assert 0.004 < LLAMA70B_H200.decode_step_s(32, 32 * 16_000) < 0.05
+    # a 50-token chunk after 100 cached tokens: flash skips the masked half (2a); the CPU engine's is measured
+    assert LLAMA70B_H200.chunk_s(100, 50) == pytest.approx(LLAMA70B_H200.prefill_a * (150**2 - 100**2)
+                                                           + LLAMA70B_H200.prefill_b * 50)
+    assert cpu.chunk_s(100, 50) == pytest.approx(cpu.prefill_a * 50 * 50 + 2.89e-6 * 50 * 100 + cpu.prefill_b * 50)
+    assert cpu.chunk_s(0, 50) + cpu.prefill_c == pytest.approx(cpu.prefill_s(50))
     a, b, c = calibrate([(t, 1e-7 * t * t + 2e-3 * t + 0.01) for t in (64, 256, 512, 1024, 2048)])
     assert (a, b, c) == pytest.approx((1e-7, 2e-3, 0.01), rel=1e-6)
     a, b, c = calibrate([(100, 0.1), (200, 0.2), (400, 0.4), (800, 0.79)])  # slightly concave: a clamps to 0

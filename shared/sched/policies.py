@@ -143,29 +143,32 @@ class Predictive:
         self.local_prefill_tokens = local_prefill_tokens
         self.work_weight = work_weight
 
-    def ttft(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> float:
-        """Queue wait + prefill of the uncached tokens + pulling blocks held only in a slower tier."""
-        own = view.overlap.get(w.worker_id, 0)
-        reusable = max(own, view.remote_overlap)
-        uncached = max(1, request.num_prompt_tokens - reusable * w.block_size)
-        pull = max(0, view.remote_overlap - own) * view.cost.block_transfer_s
-        queue = view.cost.prefill_s(w.queued_prefill_tokens)
-        return queue + view.cost.prefill_s(uncached) + pull
-
-    def score(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> float:
-        """Predicted TTFT plus ``work_weight`` x the prefill time this placement spends: recomputing a prefix
-        another worker holds delays every request queued behind it there and duplicates its blocks, a cost
-        the request's own TTFT does not see (0.5: the best goodput of a sweep over 0..2 on the Mooncake trace)."""
+    def estimate(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> tuple[float, float]:
+        """(predicted TTFT, score) on ``w``. TTFT = queue wait + prefill of the uncached tokens + pulling blocks
+        held only in a slower tier. Score = TTFT + ``work_weight`` x the prefill time this placement spends:
+        recomputing a prefix another worker holds delays every request queued behind it there and duplicates
+        its blocks, a cost the request's own TTFT does not see (0.5: the best goodput of a sweep over 0..2 on
+        the Mooncake trace)."""
         own = view.overlap.get(w.worker_id, 0)
         uncached = max(1, request.num_prompt_tokens - max(own, view.remote_overlap) * w.block_size)
-        return self.ttft(request, view, w) + self.work_weight * view.cost.prefill_s(uncached)
+        pull = max(0, view.remote_overlap - own) * view.cost.block_transfer_s
+        work = view.cost.prefill_s(uncached)
+        ttft = view.cost.prefill_s(w.queued_prefill_tokens) + work + pull
+        return ttft, ttft + self.work_weight * work
+
+    def ttft(self, request: RequestInfo, view: ClusterView, w: WorkerView) -> float:
+        return self.estimate(request, view, w)[0]
 
     def place(self, request: RequestInfo, view: ClusterView) -> Placement | Reject:
         candidates = view.prefill or view.decode
         if not candidates:
             return _no_workers()
-        best = min(candidates, key=lambda w: (self.score(request, view, w), _load(w), w.worker_id))
-        best_ttft = self.ttft(request, view, best)
+        best_key, best, best_ttft = None, candidates[0], 0.0
+        for w in candidates:
+            ttft, score = self.estimate(request, view, w)
+            key = (score, _load(w), w.worker_id)
+            if best_key is None or key < best_key:
+                best_key, best, best_ttft = key, w, ttft
         placement = _finish(request, view, best, "predicted TTFT", best_ttft)
         if placement.prefill_worker is not None:  # disaggregated: is prefilling on the decode worker better?
             decode = next(w for w in view.decode if w.worker_id == placement.decode_worker)

@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
     p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
-    p.add_argument("--plot", default=None, help="write a TTFT CDF to this PNG (needs matplotlib)")
+    p.add_argument("--plot", default=None, help="write the TTFT CDF of every policy to this PNG (matplotlib: the plot extra)")
     return p
 
 

@@ -120,9 +120,9 @@ def plot_ttft_cdf(results: list[dict], path: str) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as exc:  # not a project dependency
+    except ImportError as exc:  # the optional plot extra
         raise RuntimeError("plotting needs matplotlib, which is not installed "
-                           "(pip install matplotlib in your own environment)") from exc
+                           "(make installs it; else pip install 'deepinfer[plot]')") from exc
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         ttfts = np.sort(np.asarray(r.get("_ttfts", []), dtype=np.float64))

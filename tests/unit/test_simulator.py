@@ -7,7 +7,8 @@ import json
 import pytest
 
 from services.simulate_cli import add_parser, run
-from shared.sched.profiles import LLAMA70B_H200, PROFILES, Profile, calibrate, get_profile
+from shared.sched.profiles import (LLAMA70B_H200, PROFILES, Profile, calibrate, calibrate_chunks, calibrate_decode,
+                                   get_profile)
 from shared.sched.simulator import TraceRequest, format_table, json_line, load_trace, simulate
 
 BS = 512
@@ -177,6 +178,12 @@ def test_profiles_and_calibrate():
     assert (a, b, c) == pytest.approx((1e-7, 2e-3, 0.01), rel=1e-6)
     a, b, c = calibrate([(100, 0.1), (200, 0.2), (400, 0.4), (800, 0.79)])  # slightly concave: a clamps to 0
     assert a >= 0 and b > 0 and c >= 0
+    exact = [(x, n, 3e-6 * n * n + 2.5e-6 * n * x + 2e-3 * n + 0.09) for x in (0, 512, 2048) for n in (64, 512, 1024)]
+    assert calibrate_chunks(exact) == pytest.approx((3e-6, 2.5e-6, 2e-3, 0.09), rel=1e-6)
+    steps = [(b, k, 0.05 + 0.004 * b + 9e-6 * k) for b, k in ((1, 64), (8, 512), (16, 8000), (32, 2000))]
+    assert calibrate_decode(steps) == pytest.approx((0.05, 0.004, 9e-6), rel=1e-6)
+    with pytest.raises(ValueError):
+        calibrate_decode([(1, 64, 0.0), (2, 64, 0.1), (3, 64, 0.2)])  # a step cannot take no time
 
 
 def test_cli_runs(tmp_path, capsys):
@@ -189,3 +196,14 @@ def test_cli_runs(tmp_path, capsys):
     assert [x["policy"] for x in lines] == ["round_robin", "predictive"]
     args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--policy", "nope"])
     assert run(args, print) == 2
+
+
+def test_cli_plots_ttft_cdfs(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    png = tmp_path / "ttft.png"
+    args = parser.parse_args(["simulate", "--trace", _write(tmp_path, HAND), "--workers", "2", "--policy", "all",
+                              "--kv-capacity-blocks", "100", "--json", "--plot", str(png)])
+    assert run(args, lambda *a, **k: None) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

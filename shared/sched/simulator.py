@@ -197,9 +197,8 @@ class _Sim:
 
     def prefilled(self, w: _Worker, r: _Req) -> None:
         hashes = r.tr.hash_ids
-        fresh = 0
         for h in hashes[r.local:]:
-            fresh += not w.pin(h)
+            w.pin(h)
         w.private -= len(hashes) - r.local
         r.private -= len(hashes) - r.local
         r.pinned = hashes

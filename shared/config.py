@@ -55,19 +55,22 @@ class RouterConfig:
     max_inflight: int = 256  # admission: more concurrent requests than this are rejected (overloaded)
     policy: str = "predictive"  # round_robin | least_loaded | cache_aware | kv_cost | predictive
     ttft_slo_s: float = 0.0  # > 0: reject (overloaded) requests whose predicted TTFT exceeds it
-    prefill_s_per_token: float = 2.2e-3  # cost model (SmolLM2 fp32 on 2 cores); refit per deployment
-    prefill_s_per_token_sq: float = 9.5e-8
-    block_transfer_s: float = 4e-4  # one 16-token SmolLM2 block (1.1 MB fp32) over shm
+    profile: str = "smollm2-cpu"  # step-time model the policies predict with (shared/sched/profiles.py)
+    block_size: int = 16  # the workers' KV block size (tokens), for the profile's per-block transfer time
 
     def __post_init__(self) -> None:
         from shared.sched.policies import POLICIES
+        from shared.sched.profiles import PROFILES
 
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-        if self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0:
+        if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
+                or self.block_size <= 0):
             raise ValueError("invalid router config")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
 
 
 def _parse(kind: type, text: str) -> Any:

@@ -25,7 +25,7 @@ from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.placement import Placer
 from services.router.workers import InflightAccount, WorkerTable, choose_transport
 from shared.sched.kv_index import KVIndex
-from shared.sched.types import CostModel
+from shared.sched.profiles import get_profile
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class RouterService:
         self.table = WorkerTable(config.worker_dead_after_s)
         self.index = KVIndex()
         self.placer = Placer(config.policy, self.table, self.index,
-                             CostModel(prefill_a=config.prefill_s_per_token_sq, prefill_b=config.prefill_s_per_token,
-                                       block_transfer_s=config.block_transfer_s),
+                             get_profile(config.profile).cost_model(config.block_size),
                              config.local_prefill_threshold, config.ttft_slo_s or None)
         self._resyncing: set[str] = set()
         self.tokenizer = None

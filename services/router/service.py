@@ -2,8 +2,11 @@
 
 Per request: validate and tokenize; pick a decode worker and (unless the prompt is short or the client asked
 for local prefill) a prefill worker and a KV transport; dispatch; relay the workers' token chunks to the
-client's reply subject with one gap-free sequence numbering; enforce the request's timeout; fail with
-``worker_lost`` when a worker serving it stops heartbeating; stop the workers when the client cancels
+client's reply subject with one gap-free sequence numbering; enforce the request's timeout; when a worker
+serving it stops heartbeating (or does not accept it), re-place the request with prompt + the tokens already
+delivered, up to ``max_failovers`` times, so the client sees one stream with no gap or duplicate (greedy output
+is exactly the uninterrupted one; a sampled continuation draws afresh from the same distribution), then fail
+with ``worker_lost``; stop the workers when the client cancels
 (``di.v1.cancel``) or the request ends early. Every reply on the client's subject is a ``TokenChunk``; the
 last one has ``final=True`` and either usage or an error. Undecodable requests get an ``ErrorReply``.
 """
@@ -21,6 +24,7 @@ from shared import protocol, subjects
 from shared.bus import ServiceRuntime, connect
 from shared.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.wire_fields import MAX_ID_LEN
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.placement import Placer
 from services.router.workers import InflightAccount, WorkerTable, choose_transport
@@ -134,10 +138,44 @@ class RouterService:
         if len(self.relays) > self.config.max_inflight:
             raise DeepinferError(ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")
         self._check_model(req.model)
-        params = req.sampling_params()
+        req.sampling_params()  # invalid sampling fails here, before any placement
         prompt = prompt_token_ids(self.tokenizer, req)
-        deadline = time.monotonic() + req.timeout_s
-        prefill_w, decode_w = self.placer.place(rid, prompt, params.max_tokens, req.cache_salt, req.prefill_mode)
+        stream = _Stream(rid, client, len(prompt), time.monotonic() + req.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                await self._attempt(req, prompt, stream, attempt)
+                return
+            except DeepinferError as err:
+                # failover (DESIGN step 5): a worker that died, or did not accept, is replaced by another one
+                # that continues from prompt + the tokens already delivered; the client sees one stream
+                retry = (err.code == ErrorCode.WORKER_LOST or isinstance(err, _NotAccepted)) and not stream.ended
+                if not retry or attempt >= self.config.max_failovers or stream.deadline <= time.monotonic():
+                    raise
+                attempt += 1
+                logger.warning("%s: %s; re-placing with %d tokens delivered (failover %d)", rid, err.message,
+                               len(stream.delivered), attempt)
+
+    async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: "_Stream",
+                       attempt: int) -> None:
+        """Place and run the request once, continuing after the tokens ``stream`` already delivered."""
+        rid = stream.rid
+        params = req.sampling_params()
+        if stream.delivered:
+            left = params.max_tokens - len(stream.delivered)
+            if left <= 0:  # the worker died between the last token and the final chunk
+                await self._forward(stream, protocol.TokenChunk(
+                    request_id=rid, seq=0, token_ids=[], final=True, finish_reason="length",
+                    usage={"prompt_tokens": stream.prompt_len, "completion_tokens": len(stream.delivered),
+                           "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}))
+                return
+            params = dataclasses.replace(params, max_tokens=left)
+            prompt = prompt + stream.delivered
+        # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
+        # the router itself listens to for clients) must not cancel the client's request
+        work_id = _attempt_id(rid, attempt)
+        prefill_w, decode_w = self.placer.place(work_id, prompt, params.max_tokens, req.cache_salt,
+                                                req.prefill_mode)
         transport = None
         if prefill_w is not None:
             transport = choose_transport(prefill_w.report, decode_w.report, req.transport)
@@ -154,60 +192,95 @@ class RouterService:
             sampling = protocol.sampling_to_dict(params)
             if prefill_w is not None:
                 target = subjects.prefill(prefill_w.report.worker_id)
-                work = protocol.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
                                                decode_worker=decode_w.report.worker_id, transport=transport,
                                                reply_to=inbox, cache_salt=req.cache_salt,
-                                               deadline_s=deadline - time.monotonic())
+                                               deadline_s=stream.deadline - time.monotonic())
             else:
                 target = subjects.decode(decode_w.report.worker_id)
-                work = protocol.DecodeLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
                                                    reply_to=inbox, cache_salt=req.cache_salt)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, rid, client, deadline, prefill_w, decode_w, account.prefill_done)
+            finished = await self._relay(sub, stream, prefill_w, decode_w, account.prefill_done, attempt)
         finally:
             account.close()
             await sub.unsubscribe()
-            if not finished:  # stop whatever the workers are still doing for this request
-                await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=rid)))
+            if not finished:  # stop whatever the workers are still doing for this attempt
+                await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=work_id)))
 
     async def _dispatch(self, subject: str, work) -> None:
         try:
             reply = await self.nc.request(subject, protocol.encode(work), timeout=self.config.dispatch_timeout_s)
         except Exception as err:  # timeout, no responders
-            raise DeepinferError(ErrorCode.UNAVAILABLE, f"worker on {subject} did not accept: {err!r}") from None
+            raise _NotAccepted(ErrorCode.UNAVAILABLE, f"worker on {subject} did not accept: {err!r}") from None
         answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
         if isinstance(answer, protocol.ErrorReply):
             raise answer.to_exception()
 
-    async def _relay(self, sub, rid, client, deadline, prefill_w, decode_w, on_first_token) -> bool:
-        t0, ttft = time.monotonic(), None
+    async def _relay(self, sub, stream: "_Stream", prefill_w, decode_w, on_first_token, attempt: int) -> bool:
+        """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
+        Raises ``worker_lost`` when a worker this attempt still depends on stops heartbeating."""
+        got_token = False
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = stream.deadline - time.monotonic()
             if remaining <= 0:
                 raise DeepinferError(ErrorCode.TIMEOUT, "request timed out")
             try:
                 msg = await sub.next_msg(timeout=min(remaining, 0.5))
             except asyncio.TimeoutError:
-                watched = [decode_w] + ([prefill_w] if prefill_w is not None and self.next_seq[rid] <= 1 else [])
+                watched = [decode_w] + ([prefill_w] if prefill_w is not None and not got_token else [])
                 for w in watched:
                     if not self.table.is_alive(w.report.worker_id):
                         raise DeepinferError(ErrorCode.WORKER_LOST,
                                              f"worker {w.report.worker_id} stopped responding") from None
                 continue
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
-            if ttft is None and chunk.token_ids:
-                ttft = time.monotonic() - t0
+            if chunk.token_ids and not got_token:
+                got_token = True
                 on_first_token()
             usage = chunk.usage
-            if chunk.final and usage is not None:
-                usage = {**usage, "ttft_ms": (ttft or 0.0) * 1000.0}
-            out = dataclasses.replace(chunk, request_id=rid, seq=self.next_seq[rid], usage=usage)
-            await self.nc.publish(client, protocol.encode(out))
-            self.next_seq[rid] += 1
+            if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
+                usage = {**usage, "prompt_tokens": stream.prompt_len,
+                         "completion_tokens": len(stream.delivered) + len(chunk.token_ids),
+                         "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}
+            await self._forward(stream, dataclasses.replace(chunk, usage=usage))
             if chunk.final:
                 return chunk.error is None
+
+    async def _forward(self, stream: "_Stream", chunk: protocol.TokenChunk) -> None:
+        """Publish ``chunk`` to the client under the stream's id and next seq; remember delivered tokens."""
+        if chunk.token_ids and stream.ttft_s is None:
+            stream.ttft_s = time.monotonic() - stream.t0
+        out = dataclasses.replace(chunk, request_id=stream.rid, seq=self.next_seq[stream.rid])
+        await self.nc.publish(stream.client, protocol.encode(out))
+        self.next_seq[stream.rid] += 1
+        stream.delivered.extend(chunk.token_ids)
+        stream.ended = chunk.final
 
     async def run_forever(self) -> None:
         await self.start()
         self.runtime.install_signal_handlers()
         await self.runtime.stopped.wait()
+
+
+class _NotAccepted(DeepinferError):
+    """A worker did not acknowledge a dispatch in time (dead or stuck): the request may go elsewhere."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """One client stream across failover attempts: what the client has received so far."""
+    rid: str
+    client: str
+    prompt_len: int
+    deadline: float
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+    delivered: list[int] = dataclasses.field(default_factory=list)
+    ended: bool = False
+
+
+def _attempt_id(rid: str, attempt: int) -> str:
+    """The workers' id for failover attempt ``attempt`` of client request ``rid`` (unique, bounded length)."""
+    suffix = f"~{attempt}"
+    return rid + suffix if len(rid) + len(suffix) <= MAX_ID_LEN else uuid.uuid4().hex + suffix

@@ -1,14 +1,17 @@
-"""Fault injection with real processes: SIGKILL a decode worker mid-stream, restart nats-server."""
+"""Fault injection with real processes: SIGKILL a decode worker mid-stream (failover), restart nats-server."""
 import asyncio
 import time
 
 import pytest
 
-from services.client import generate, generate_stream
+from services.client import generate
 from services.launcher import Cluster, ClusterSpec
 from nats.js.errors import KeyNotFoundError
 
 from shared import protocol, subjects
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from tests.integration.conftest import connect
 from tests.model_factory import write_tiny_hf_folder
@@ -24,35 +27,35 @@ def long_request(i: int, timeout_s: float = 90.0) -> protocol.GenerateRequest:
                                     max_tokens=3000, temperature=0.0, ignore_eos=True, timeout_s=timeout_s)
 
 
-async def collect(nc, req):
-    """(worker-visible outcome, seconds): token count or the error code."""
-    t0 = time.monotonic()
-    n = 0
-    try:
-        async for chunk in generate_stream(nc, req):
-            n += len(chunk.token_ids)
-        return n, time.monotonic() - t0
-    except DeepinferError as err:
-        return err.code, time.monotonic() - t0
+def reference(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of the single-process engine, no prefix cache (room for 3,000+ tokens each)."""
+    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=4000,
+                                                           enable_prefix_caching=False))
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-async def test_sigkill_decode_worker_mid_stream(nats_server, folder):
+async def test_sigkill_decode_worker_mid_stream_fails_over(nats_server, folder):
+    """Streams on a decode worker killed mid-stream continue on a live one (DESIGN step 5): every client gets
+    its 3,000 tokens in one gap-free stream, token for token what the single-process engine produces."""
     cluster = Cluster(ClusterSpec(prefill=1, decode=2, nats_url=nats_server.url, model=str(folder),
                                   kv_cache_mb=64, local_prefill_threshold=0,
                                   dtype="float64"))
     await cluster.start()
     try:
         nc = await connect(nats_server.url)
-        tasks = [asyncio.create_task(collect(nc, long_request(i))) for i in range(6)]
+        reqs = [long_request(i) for i in range(6)]
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(generate(nc, r)) for r in reqs]  # generate checks seq 0, 1, 2, ...
         await asyncio.sleep(3.0)  # streams are flowing on both decode workers
         cluster.kill("decode-0")
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=100)
-        lost = [r for r in results if r[0] == ErrorCode.WORKER_LOST]
-        done = [r for r in results if r[0] == 3000]
-        assert lost, f"requests on the killed worker must fail with worker_lost: {results}"
-        assert len(lost) + len(done) == len(results), results
-        assert all(seconds < 90 for _, seconds in results), "no client may wait past its timeout"
-        assert all(seconds < 15 for code, seconds in lost), "a lost worker is noticed within seconds"
+        assert time.monotonic() - t0 < 90, "no client may wait past its timeout"
+        expected = reference(folder, [r.prompt_token_ids for r in reqs], 3000)
+        for (ids, _, usage), want in zip(results, expected):
+            assert ids == want  # no gap, no duplicate, no drift at the seam
+            assert usage["completion_tokens"] == 3000 and usage["prompt_tokens"] == 40
+        failovers = [usage["failovers"] for _, _, usage in results]
+        assert any(failovers), f"some streams were on the killed worker: {failovers}"
         await asyncio.sleep(2.0)  # the router notices the dead worker
         registry = await nc.jetstream().key_value(subjects.REGISTRY_BUCKET)
         for _ in range(40):  # the dead worker's registration expires with the bucket's TTL

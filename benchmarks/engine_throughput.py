@@ -35,7 +35,9 @@ def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, p
 
     model = LlamaModel(config, weights, torch.float32, torch.device("cpu"))
     engine = LLMEngine(model, engine_cfg, tokenizer)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    # exactly new_tokens, EOS never sampled: what HF's min_new_tokens does below (ignore_eos alone would let EOS
+    # be sampled and carry on after it, a different sequence wherever EOS is the argmax)
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     if profiler:

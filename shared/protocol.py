@@ -69,6 +69,7 @@ class GenerateRequest(WireModel):
     stop: list[str] = wire_field(default_factory=list)
     stop_token_ids: list[int] = wire_field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     timeout_s: float = 60.0
     cache_salt: str = ""
     prefill_mode: str = "auto"      # "auto" | "remote" | "local"
@@ -94,7 +95,8 @@ class GenerateRequest(WireModel):
         """The request's sampling parameters (validated: raises ``invalid_request``)."""
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(self.stop),
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              min_tokens=self.min_tokens)
 
 
 @wire_message(MAX_CHUNK_BYTES)

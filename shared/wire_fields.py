@@ -57,14 +57,15 @@ def _check_range(name: str, value: float, lo: float, hi: float = math.inf) -> No
 _SAMPLING_CHECKS = {"max_tokens": compile_type(int), "temperature": compile_type(float),
                     "top_k": compile_type(int), "top_p": compile_type(float),
                     "seed": compile_type(int | None), "stop": compile_type(list[str]),
-                    "stop_token_ids": compile_type(list[int]), "ignore_eos": compile_type(bool)}
+                    "stop_token_ids": compile_type(list[int]), "ignore_eos": compile_type(bool),
+                    "min_tokens": compile_type(int)}
 
 
 def sampling_to_dict(sp: SamplingParams) -> dict[str, Any]:
     """SamplingParams -> plain dict of every field (tuples as lists), the ``sampling`` field on the wire."""
     return {"max_tokens": sp.max_tokens, "temperature": float(sp.temperature), "top_k": sp.top_k,
             "top_p": float(sp.top_p), "seed": sp.seed, "stop": list(sp.stop),
-            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos}
+            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos, "min_tokens": sp.min_tokens}
 
 
 def sampling_from_dict(d: Any) -> SamplingParams:

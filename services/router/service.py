@@ -169,7 +169,8 @@ class RouterService:
                     usage={"prompt_tokens": stream.prompt_len, "completion_tokens": len(stream.delivered),
                            "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}))
                 return
-            params = dataclasses.replace(params, max_tokens=left)
+            params = dataclasses.replace(params, max_tokens=left,
+                                         min_tokens=max(0, params.min_tokens - len(stream.delivered)))
             prompt = prompt + stream.delivered
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request

@@ -21,6 +21,7 @@ from shared.model.llama import LlamaModel
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
         self.model, self.bm = model, block_manager
+        self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
         # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/engine/kv_cache.py)
@@ -71,6 +72,13 @@ class ModelRunner:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
         return input_ids, pos_t, meta, rows, sampled
 
+    def _banned(self, req) -> tuple[int, ...]:
+        """EOS and the request's stop ids while it has fewer than ``min_tokens`` output tokens."""
+        p = req.params
+        if not p.min_tokens or len(req.all_token_ids) - len(req.prompt_token_ids) >= p.min_tokens:
+            return ()
+        return self._eos + p.stop_token_ids
+
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; return ``{request_id: sampled token}`` for requests that reached a sample point."""
         if not out.scheduled:
@@ -79,5 +87,6 @@ class ModelRunner:
         logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
         if not sampled:
             return {}
-        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        banned = [self._banned(r) for r in sampled]
+        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled], banned)
         return {r.request_id: t for r, t in zip(sampled, tokens)}

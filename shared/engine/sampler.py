@@ -27,8 +27,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """``logits: [S, V]`` → one token id per row. Greedy rows use argmax (ties → lowest id)."""
+           generators: list[torch.Generator | None], banned: list[tuple[int, ...]] | None = None) -> list[int]:
+    """``logits: [S, V]`` → one token id per row. Greedy rows use argmax (ties → lowest id).
+    ``banned[i]``: token ids row ``i`` must not produce (``min_tokens`` not reached yet), masked to -inf."""
+    if banned and any(banned):
+        logits = logits.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     tokens = [0] * len(params)
     if greedy_rows:

@@ -15,7 +15,9 @@ class SamplingParams:
 
     ``seed`` makes sampling reproducible per request regardless of batching. ``stop`` strings end the
     output *before* the stop string (it is not returned); ``stop_token_ids`` end it after the token (not
-    returned either, like EOS).
+    returned either, like EOS). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that
+    many tokens were generated (their logits are masked, like vLLM's ``min_tokens`` and HF's
+    ``min_new_tokens``); ``ignore_eos`` instead keeps generating after an EOS that was sampled.
     """
 
     max_tokens: int = 256
@@ -26,10 +28,14 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise invalid(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise invalid(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise invalid(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

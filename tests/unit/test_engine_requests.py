@@ -7,7 +7,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampler import probabilities
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
-from tests.tiny_model import tiny_model
+from tests.tiny_model import all_logits, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,22 @@ def test_stop_token_ids_eos_and_max_tokens(model):
     assert outs[-1].num_output_tokens == free_run.index(stop_at) + 1
     last = engine.generate([[1, 2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert last == [free_run[:4]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids(model):
+    engine = engine_for(model)
+    free = engine.generate([[1, 2]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    stop = free[1]
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,), min_tokens=6)
+    out = engine.generate([[1, 2]], params)[0]
+    assert len(out) >= 6 and stop not in out[:6] and 3 not in out[:6]  # 3 is the model's EOS
+    logits = all_logits(model, [1, 2, free[0]])[-1].clone()  # [V] where the stop id was the argmax
+    logits[[stop, 3]] = float("-inf")
+    assert out[:2] == [free[0], int(logits.argmax())]  # the best token that is allowed, exactly
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,),
+                                                    ignore_eos=True))[0] == free[:2]  # without it: stops there
+    with pytest.raises(DeepinferError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
 
 
 def test_abort_frees_blocks(model):

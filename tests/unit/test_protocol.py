@@ -97,11 +97,12 @@ def test_int_accepted_for_float_and_stored_as_float():
 
 def test_sampling_dict_round_trip_and_strictness():
     sp = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=1, stop=("a", "b"),
-                        stop_token_ids=(7,), ignore_eos=True)
+                        stop_token_ids=(7,), ignore_eos=True, min_tokens=2)
     assert p.sampling_from_dict(p.sampling_to_dict(sp)) == sp
     assert p.sampling_from_dict({}) == SamplingParams()
     assert SAMPLES["PrefillRequest"].sampling_params().seed == 3
-    for bad in ({"bogus": 1}, {"max_tokens": True}, {"top_k": "3"}, {"temperature": -1.0}, [1]):
+    for bad in ({"bogus": 1}, {"max_tokens": True}, {"top_k": "3"}, {"temperature": -1.0}, [1],
+                {"max_tokens": 2, "min_tokens": 3}, {"min_tokens": -1}):
         with pytest.raises(DeepinferError) as info:
             p.sampling_from_dict(bad)
         assert info.value.code is ErrorCode.INVALID_REQUEST

@@ -77,6 +77,7 @@ class GenerateRequest(WireModel):
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id, allow_empty=True)
+        _require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
         _check_id("cache_salt", self.cache_salt, allow_empty=True)
         forms = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
         _require(forms == 1, "exactly one of 'prompt', 'messages', 'prompt_token_ids' must be given")

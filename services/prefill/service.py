@@ -46,7 +46,7 @@ class PrefillService(Worker):
     async def _prefill(self, req: protocol.PrefillRequest, params) -> None:
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
-        one = dataclasses.replace(params, max_tokens=1)
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         outs = [o async for o in self.aengine.run(
             rid, lambda: eng.add_request(req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), 2)]
         final = outs[-1]

@@ -7,6 +7,8 @@ load-only policies still prefill prompts up to ``local_prefill_threshold`` token
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import hash_prompt_blocks
 from shared.sched.policies import make_policy
@@ -32,15 +34,15 @@ class Placer:
         self.threshold, self.ttft_slo_s = local_prefill_threshold, ttft_slo_s
 
     def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str,
-              mode: str) -> tuple[WorkerState | None, WorkerState]:
+              mode: str, exclude: Collection[str] = ()) -> tuple[WorkerState | None, WorkerState]:
         """``(prefill worker or None for local prefill, decode worker)``; raises ``unavailable`` or
-        ``overloaded``."""
+        ``overloaded``. Workers in ``exclude`` (a failed attempt's) are avoided while a role has others."""
         for wid in [w for w in self.table.workers if not self.table.is_alive(w)]:
             self.index.remove_worker(wid)
-        decode = self.table.alive("decode")
+        decode = _avoid(self.table.alive("decode"), exclude)
         if not decode:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
-        prefill = [] if mode == "local" else self.table.alive("prefill")
+        prefill = [] if mode == "local" else _avoid(self.table.alive("prefill"), exclude)
         if mode == "remote" and not prefill:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
         first = decode[0].report
@@ -60,3 +62,9 @@ class Placer:
         elif mode == "auto" and self.policy.name != "predictive" and len(prompt) <= self.threshold:
             prefill_state = None
         return prefill_state, states[decision.decode_worker]
+
+
+def _avoid(states: list[WorkerState], exclude: Collection[str]) -> list[WorkerState]:
+    """``states`` without the excluded workers, unless that would leave none."""
+    kept = [s for s in states if s.report.worker_id not in exclude]
+    return kept or states

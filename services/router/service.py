@@ -149,10 +149,11 @@ class RouterService:
             except DeepinferError as err:
                 # failover (DESIGN step 5): a worker that died, or did not accept, is replaced by another one
                 # that continues from prompt + the tokens already delivered; the client sees one stream
-                retry = (err.code == ErrorCode.WORKER_LOST or isinstance(err, _NotAccepted)) and not stream.ended
+                retry = (err.code.value in _FAILOVER_CODES or isinstance(err, _NotAccepted)) and not stream.ended
                 if not retry or attempt >= self.config.max_failovers or stream.deadline <= time.monotonic():
                     raise
                 attempt += 1
+                stream.failed_workers.update(err.workers if isinstance(err, _AttemptFailed) else ())
                 logger.warning("%s: %s; re-placing with %d tokens delivered (failover %d)", rid, err.message,
                                len(stream.delivered), attempt)
 
@@ -176,7 +177,7 @@ class RouterService:
         # the router itself listens to for clients) must not cancel the client's request
         work_id = _attempt_id(rid, attempt)
         prefill_w, decode_w = self.placer.place(work_id, prompt, params.max_tokens, req.cache_salt,
-                                                req.prefill_mode)
+                                                req.prefill_mode, exclude=stream.failed_workers)
         transport = None
         if prefill_w is not None:
             transport = choose_transport(prefill_w.report, decode_w.report, req.transport)
@@ -201,7 +202,10 @@ class RouterService:
                 target = subjects.decode(decode_w.report.worker_id)
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
                                                    reply_to=inbox, cache_salt=req.cache_salt)
-            await self._dispatch(target, work)
+            try:
+                await self._dispatch(target, work)
+            except _NotAccepted as err:
+                raise _AttemptFailed(err.code, err.message, {(prefill_w or decode_w).report.worker_id}) from None
             finished = await self._relay(sub, stream, prefill_w, decode_w, account.prefill_done, attempt)
         finally:
             account.close()
@@ -221,7 +225,7 @@ class RouterService:
     async def _relay(self, sub, stream: "_Stream", prefill_w, decode_w, on_first_token, attempt: int) -> bool:
         """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
         Raises ``worker_lost`` when a worker this attempt still depends on stops heartbeating."""
-        got_token = False
+        chunks, got_token = 0, False
         while True:
             remaining = stream.deadline - time.monotonic()
             if remaining <= 0:
@@ -229,16 +233,25 @@ class RouterService:
             try:
                 msg = await sub.next_msg(timeout=min(remaining, 0.5))
             except asyncio.TimeoutError:
-                watched = [decode_w] + ([prefill_w] if prefill_w is not None and not got_token else [])
+                # the prefill worker matters until the decode worker's first chunk: after its own first token it
+                # still stages and hands off the KV
+                watched = [decode_w] + ([prefill_w] if prefill_w is not None and chunks <= 1 else [])
                 for w in watched:
                     if not self.table.is_alive(w.report.worker_id):
-                        raise DeepinferError(ErrorCode.WORKER_LOST,
-                                             f"worker {w.report.worker_id} stopped responding") from None
+                        raise _AttemptFailed(ErrorCode.WORKER_LOST, f"worker {w.report.worker_id} stopped "
+                                             "responding", {w.report.worker_id}) from None
                 continue
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
+            chunks += 1
             if chunk.token_ids and not got_token:
                 got_token = True
                 on_first_token()
+                if stream.ttft_s is None:
+                    stream.ttft_s = time.monotonic() - stream.t0
+            if chunk.error is not None and chunk.error.get("code") in _FAILOVER_CODES:
+                # a worker reports its partner lost or the KV transfer failed: another pair may serve it
+                raise _AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""),
+                                     {w.report.worker_id for w in (prefill_w, decode_w) if w is not None})
             usage = chunk.usage
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
                 usage = {**usage, "prompt_tokens": stream.prompt_len,
@@ -250,8 +263,6 @@ class RouterService:
 
     async def _forward(self, stream: "_Stream", chunk: protocol.TokenChunk) -> None:
         """Publish ``chunk`` to the client under the stream's id and next seq; remember delivered tokens."""
-        if chunk.token_ids and stream.ttft_s is None:
-            stream.ttft_s = time.monotonic() - stream.t0
         out = dataclasses.replace(chunk, request_id=stream.rid, seq=self.next_seq[stream.rid])
         await self.nc.publish(stream.client, protocol.encode(out))
         self.next_seq[stream.rid] += 1
@@ -264,8 +275,19 @@ class RouterService:
         await self.runtime.stopped.wait()
 
 
+_FAILOVER_CODES = frozenset({ErrorCode.WORKER_LOST.value, ErrorCode.TRANSFER_FAILED.value})
+
+
 class _NotAccepted(DeepinferError):
     """A worker did not acknowledge a dispatch in time (dead or stuck): the request may go elsewhere."""
+
+
+class _AttemptFailed(DeepinferError):
+    """An attempt failed because of ``workers`` (dead, not accepting, or a failed hand-off between them)."""
+
+    def __init__(self, code: ErrorCode, message: str, workers: set[str]) -> None:
+        super().__init__(code, message)
+        self.workers = workers
 
 
 @dataclasses.dataclass(slots=True)
@@ -279,6 +301,7 @@ class _Stream:
     ttft_s: float | None = None
     delivered: list[int] = dataclasses.field(default_factory=list)
     ended: bool = False
+    failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
 
 
 def _attempt_id(rid: str, attempt: int) -> str:

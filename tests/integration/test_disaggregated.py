@@ -165,6 +165,53 @@ async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, fo
             await nc.close()
 
 
+async def test_failed_handoff_fails_over_to_another_pair(nats_server, folder, monkeypatch):
+    """The first KV fetch anywhere breaks: the router re-places the stream (prompt + the first token the
+    prefill worker already delivered) on the other decode worker; the client sees one exact stream."""
+    prompt = list(range(3, 50))
+    expected = reference_outputs(folder, [prompt], MAX_TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm") as cluster:
+        broken = []
+
+        def break_first(transport):
+            fetch = transport.fetch
+
+            async def fetch_once_broken(*args, **kwargs):  # fault injection: one transfer breaks
+                if not broken:
+                    broken.append(transport)
+                    raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: link down")
+                return await fetch(*args, **kwargs)
+            monkeypatch.setattr(transport, "fetch", fetch_once_broken)
+
+        for decode in cluster.workers[1:]:
+            break_first(decode.transports["shm"])
+        nc = await connect(nats_server.url)
+        try:
+            ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))
+        finally:
+            await nc.close()
+        assert broken and ids == expected
+        assert usage["failovers"] == 1 and usage["completion_tokens"] == MAX_TOKENS
+        assert usage["prompt_tokens"] == len(prompt)
+        assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_min_tokens_through_remote_prefill(nats_server, folder):
+    """min_tokens survives the one-token prefill and the hand-off: the stop id cannot end the stream early."""
+    prompt = list(range(3, 50))
+    expected = reference_outputs(folder, [prompt], MAX_TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, transports="shm"):
+        nc = await connect(nats_server.url)
+        try:
+            stop = [expected[1]]
+            short, _, _ = await generate(nc, request(prompt, prefill_mode="remote", stop_token_ids=stop))
+            ids, _, _ = await generate(nc, request(prompt, prefill_mode="remote", stop_token_ids=stop, min_tokens=3))
+        finally:
+            await nc.close()
+    assert short == expected[:2]  # the stop id ends it (and is returned, like the engine does)
+    assert ids[0] == expected[0] and len(ids) >= 3 and stop[0] not in ids[:3]
+
+
 async def test_slow_engine_steps_do_not_fail_dispatch(nats_server, folder, monkeypatch):
     """A worker accepts work at once even while a long engine step runs (found by the trace replay: 7 s
     CPU steps made every dispatch time out as `unavailable`)."""

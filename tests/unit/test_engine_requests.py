@@ -29,6 +29,8 @@ def engine_for(model, **kw):
     (lambda: ([1], SamplingParams(top_p=0.0)), ErrorCode.INVALID_REQUEST, "top_p"),
     (lambda: ([1], SamplingParams(top_p=1.5)), ErrorCode.INVALID_REQUEST, "top_p"),
     (lambda: ([1], SamplingParams(temperature=float("nan"))), ErrorCode.INVALID_REQUEST, "temperature"),
+    (lambda: ([1], SamplingParams(stop_token_ids=(500,), min_tokens=1)), ErrorCode.INVALID_REQUEST,
+     "stop_token_ids"),
 ])
 def test_bad_input_is_rejected_and_engine_keeps_serving(model, make, code, fragment):
     engine = engine_for(model)

@@ -251,6 +251,7 @@ def test_generate_request_needs_exactly_one_prompt_form(forms):
     {"prompt": "a", "timeout_s": 0.0}, {"prompt": "a", "timeout_s": 3601}, {"prompt": "a", "timeout_s": float("nan")},
     {"prompt": "a", "prefill_mode": "sometimes"}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_p": 0.0},
     {"prompt": "a", "temperature": -0.5}, {"prompt": "a", "seed": -1}, {"prompt": "a", "request_id": "r" * 300},
+    {"prompt": "a", "request_id": "x~0"}, {"prompt": "a", "max_tokens": 2, "min_tokens": 3},
 ])
 def test_generate_request_semantic_rejections(fields):
     assert code_of(raw("GenerateRequest", **fields)).code is ErrorCode.INVALID_REQUEST

@@ -196,6 +196,37 @@ async def test_failed_handoff_fails_over_to_another_pair(nats_server, folder, mo
         assert await wait_until(lambda: all_blocks_free(cluster))
 
 
+async def test_prefill_worker_dying_before_the_handoff_fails_over(nats_server, folder, monkeypatch):
+    """The prefill worker streams the first token, then dies before handing the KV off: the router (which
+    watches it until the decode worker's first chunk) re-places the stream on the other prefill worker."""
+    prompt = list(range(3, 50))
+    expected = reference_outputs(folder, [prompt], MAX_TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=2, decode=1, transports="shm") as cluster:
+        died = []
+
+        def die_at_stage(worker):
+            async def stage_and_die(*args, **kwargs):  # fault injection: heartbeats stop, no hand-off ever
+                if died:
+                    return await original(*args, **kwargs)
+                died.append(worker.config.worker_id)
+                for task in worker.runtime._background:
+                    if task.get_coro().__name__ == "_heartbeat":
+                        task.cancel()
+                await asyncio.Event().wait()
+            original = worker.transports["shm"].stage_blocks
+            monkeypatch.setattr(worker.transports["shm"], "stage_blocks", stage_and_die)
+
+        for prefill in cluster.workers[:2]:
+            die_at_stage(prefill)
+        nc = await connect(nats_server.url)
+        try:
+            ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))
+        finally:
+            await nc.close()
+    assert died and ids == expected
+    assert usage["failovers"] == 1 and usage["completion_tokens"] == MAX_TOKENS
+
+
 async def test_min_tokens_through_remote_prefill(nats_server, folder):
     """min_tokens survives the one-token prefill and the hand-off: the stop id cannot end the stream early."""
     prompt = list(range(3, 50))

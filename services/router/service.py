@@ -157,7 +157,7 @@ class RouterService:
                 logger.warning("%s: %s; re-placing with %d tokens delivered (failover %d)", rid, err.message,
                                len(stream.delivered), attempt)
 
-    async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: "_Stream",
+    async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: _Stream,
                        attempt: int) -> None:
         """Place and run the request once, continuing after the tokens ``stream`` already delivered."""
         rid = stream.rid
@@ -222,7 +222,7 @@ class RouterService:
         if isinstance(answer, protocol.ErrorReply):
             raise answer.to_exception()
 
-    async def _relay(self, sub, stream: "_Stream", prefill_w, decode_w, on_first_token, attempt: int) -> bool:
+    async def _relay(self, sub, stream: _Stream, prefill_w, decode_w, on_first_token, attempt: int) -> bool:
         """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
         Raises ``worker_lost`` when a worker this attempt still depends on stops heartbeating."""
         chunks, got_token = 0, False
@@ -261,7 +261,7 @@ class RouterService:
             if chunk.final:
                 return chunk.error is None
 
-    async def _forward(self, stream: "_Stream", chunk: protocol.TokenChunk) -> None:
+    async def _forward(self, stream: _Stream, chunk: protocol.TokenChunk) -> None:
         """Publish ``chunk`` to the client under the stream's id and next seq; remember delivered tokens."""
         out = dataclasses.replace(chunk, request_id=stream.rid, seq=self.next_seq[stream.rid])
         await self.nc.publish(stream.client, protocol.encode(out))

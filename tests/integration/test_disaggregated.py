@@ -165,26 +165,37 @@ async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, fo
             await nc.close()
 
 
+def fault_first_call(monkeypatch, targets, name: str, fault) -> list:
+    """Fault injection: the first call of ``name`` on any of ``targets`` runs ``await fault(target)`` instead;
+    later calls go to the real method. Returns the list the faulted target is appended to."""
+    hit: list = []
+
+    def wrap(target):
+        real = getattr(target, name)
+
+        async def call(*args, **kwargs):
+            if hit:
+                return await real(*args, **kwargs)
+            hit.append(target)
+            return await fault(target)
+        monkeypatch.setattr(target, name, call)
+
+    for target in targets:
+        wrap(target)
+    return hit
+
+
 async def test_failed_handoff_fails_over_to_another_pair(nats_server, folder, monkeypatch):
     """The first KV fetch anywhere breaks: the router re-places the stream (prompt + the first token the
     prefill worker already delivered) on the other decode worker; the client sees one exact stream."""
     prompt = list(range(3, 50))
     expected = reference_outputs(folder, [prompt], MAX_TOKENS)[0]
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm") as cluster:
-        broken = []
+        async def link_down(transport):
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: link down")
 
-        def break_first(transport):
-            fetch = transport.fetch
-
-            async def fetch_once_broken(*args, **kwargs):  # fault injection: one transfer breaks
-                if not broken:
-                    broken.append(transport)
-                    raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: link down")
-                return await fetch(*args, **kwargs)
-            monkeypatch.setattr(transport, "fetch", fetch_once_broken)
-
-        for decode in cluster.workers[1:]:
-            break_first(decode.transports["shm"])
+        broken = fault_first_call(monkeypatch, [w.transports["shm"] for w in cluster.workers[1:]], "fetch",
+                                  link_down)
         nc = await connect(nats_server.url)
         try:
             ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))
@@ -202,22 +213,14 @@ async def test_prefill_worker_dying_before_the_handoff_fails_over(nats_server, f
     prompt = list(range(3, 50))
     expected = reference_outputs(folder, [prompt], MAX_TOKENS)[0]
     async with InProcessCluster(nats_server.url, folder, prefill=2, decode=1, transports="shm") as cluster:
-        died = []
+        async def die(transport):  # heartbeats stop, and the hand-off never happens
+            worker = next(w for w in cluster.workers if w.transports["shm"] is transport)
+            for task in worker.runtime._background:
+                if task.get_coro().__name__ == "_heartbeat":
+                    task.cancel()
+            await asyncio.Event().wait()
 
-        def die_at_stage(worker):
-            async def stage_and_die(*args, **kwargs):  # fault injection: heartbeats stop, no hand-off ever
-                if died:
-                    return await original(*args, **kwargs)
-                died.append(worker.config.worker_id)
-                for task in worker.runtime._background:
-                    if task.get_coro().__name__ == "_heartbeat":
-                        task.cancel()
-                await asyncio.Event().wait()
-            original = worker.transports["shm"].stage_blocks
-            monkeypatch.setattr(worker.transports["shm"], "stage_blocks", stage_and_die)
-
-        for prefill in cluster.workers[:2]:
-            die_at_stage(prefill)
+        died = fault_first_call(monkeypatch, [w.transports["shm"] for w in cluster.workers[:2]], "stage_blocks", die)
         nc = await connect(nats_server.url)
         try:
             ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))

@@ -165,6 +165,15 @@ async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, fo
             await nc.close()
 
 
+async def generate_once(url: str, req: protocol.GenerateRequest):
+    """One request on a fresh client connection: ``(token ids, text, usage)``."""
+    nc = await connect(url)
+    try:
+        return await generate(nc, req)
+    finally:
+        await nc.close()
+
+
 def fault_first_call(monkeypatch, targets, name: str, fault) -> list:
     """Fault injection: the first call of ``name`` on any of ``targets`` runs ``await fault(target)`` instead;
     later calls go to the real method. Returns the list the faulted target is appended to."""
@@ -196,11 +205,7 @@ async def test_failed_handoff_fails_over_to_another_pair(nats_server, folder, mo
 
         broken = fault_first_call(monkeypatch, [w.transports["shm"] for w in cluster.workers[1:]], "fetch",
                                   link_down)
-        nc = await connect(nats_server.url)
-        try:
-            ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))
-        finally:
-            await nc.close()
+        ids, _, usage = await generate_once(nats_server.url, request(prompt, prefill_mode="remote", transport="shm"))
         assert broken and ids == expected
         assert usage["failovers"] == 1 and usage["completion_tokens"] == MAX_TOKENS
         assert usage["prompt_tokens"] == len(prompt)
@@ -221,11 +226,7 @@ async def test_prefill_worker_dying_before_the_handoff_fails_over(nats_server, f
             await asyncio.Event().wait()
 
         died = fault_first_call(monkeypatch, [w.transports["shm"] for w in cluster.workers[:2]], "stage_blocks", die)
-        nc = await connect(nats_server.url)
-        try:
-            ids, _, usage = await generate(nc, request(prompt, prefill_mode="remote", transport="shm"))
-        finally:
-            await nc.close()
+        ids, _, usage = await generate_once(nats_server.url, request(prompt, prefill_mode="remote", transport="shm"))
     assert died and ids == expected
     assert usage["failovers"] == 1 and usage["completion_tokens"] == MAX_TOKENS
 

@@ -9,12 +9,12 @@ import sys
 import time
 from collections.abc import Callable
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic.jsonl"
+from services.traces import DEFAULT_TRACE_HELP, resolve_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="replay a trace against a running cluster and measure TTFT/TPOT")
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--trace", default=None, help=DEFAULT_TRACE_HELP)
     p.add_argument("--url", required=True, help="NATS URL of the running cluster (nats://host:port)")
     p.add_argument("--limit", type=int, default=100, help="first N requests only")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first (a later window)")
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
 
     try:
         # arrivals come out already divided by speed
-        trace = load_trace(args.trace, limit=args.limit, speed=args.speed, offset=args.offset)
+        trace = load_trace(resolve_trace(args.trace), limit=args.limit, speed=args.speed, offset=args.offset)
         reqs = scaled_requests(trace, scale=args.scale, vocab=args.vocab, seed=args.seed)
     except (OSError, ValueError) as err:
         emit(f"deepinfer bench: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic.jsonl"
+from services.traces import DEFAULT_TRACE_HELP, resolve_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from shared.sched.profiles import PROFILES
 
     p = subparsers.add_parser("simulate", help="simulate a cluster on a request trace (no hardware needed)")
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--trace", default=None, help=DEFAULT_TRACE_HELP)
     p.add_argument("--workers", type=int, default=8, help="aggregated workers (when --prefill is 0)")
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; 0 = aggregated)")
     p.add_argument("--decode", type=int, default=None, help="decode workers when --prefill > 0 (default --workers)")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
               file=sys.stderr)
         return 2
     try:
-        trace = load_trace(args.trace, limit=args.limit, speed=args.speed, offset=args.offset)
+        trace = load_trace(resolve_trace(args.trace), limit=args.limit, speed=args.speed, offset=args.offset)
     except OSError as err:
         emit(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
         return 2

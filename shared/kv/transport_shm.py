@@ -13,7 +13,13 @@ Invariants:
   segment (one copy, no intermediate tensor). Either writes the token into the header after the bytes;
   ``release`` (and segment destruction) zeroes it first. The receiver checks the token before and after
   copying, so a released or reused segment fails with TRANSFER_FAILED instead of yielding other bytes.
-- Receiver mappings are cached (LRU, ``max_attached`` segments) and unmapped on eviction or ``close``.
+- Receiver mappings are cached (LRU, ``max_attached`` segments). A fetch pins the mapping it reads
+  (refcount) from before the token check until after its copy: eviction skips pinned mappings, and a
+  mapping dropped while pinned (stale token, ``close``) is unmapped when its last user unpins, never under
+  a running copy. The cache may exceed ``max_attached`` only while more than that many are pinned; it is
+  trimmed back as fetches finish.
+- Copies of >= ``THREAD_COPY_BYTES`` run in a worker thread that is always waited for, even by a cancelled
+  caller; ``close`` never destroys a segment a ``stage`` is still filling (that stage destroys it after).
 """
 from __future__ import annotations
 
@@ -50,10 +56,25 @@ def size_class(nbytes: int, minimum: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+async def in_thread(fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)`` in a worker thread; a cancelled caller still waits for the thread to end
+    (then re-raises), so memory the thread touches is never unmapped under it."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
+
+
 async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src for flat uint8 tensors; big copies off the event loop."""
-    if dst.numel() >= THREAD_COPY_BYTES:
-        await asyncio.to_thread(dst.copy_, src)
+    """dst[:] = src (same shape and dtype); big copies off the event loop."""
+    if dst.numel() * dst.element_size() >= THREAD_COPY_BYTES:
+        await in_thread(dst.copy_, src)
     else:
         dst.copy_(src)
 
@@ -80,7 +101,10 @@ class _Segment:
 
 
 class _Mapping:
-    """A receiver-side mapping of someone else's segment (not tracked, never unlinked here)."""
+    """A receiver-side mapping of someone else's segment (not tracked, never unlinked here).
+
+    ``users``: fetches currently reading it (pins); ``dropped``: no longer cached, unmap when ``users`` is 0.
+    """
 
     def __init__(self, name: str) -> None:
         if _posixshmem is None:  # pragma: no cover
@@ -102,10 +126,19 @@ class _Mapping:
         self.header = np.frombuffer(self.mm, dtype=np.uint64, count=3)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.size - HEADER_BYTES,
                                      offset=HEADER_BYTES)
+        self.users = 0
+        self.dropped = False
 
     def close(self) -> None:
+        """Unmap now; only when no fetch uses it (``users == 0``): tensors over ``mm`` do not keep it mapped."""
         del self.header, self.data
         self.mm.close()
+
+    def drop(self) -> None:
+        """No longer cached: unmap now if unused, else when the last user unpins."""
+        self.dropped = True
+        if self.users == 0:
+            self.close()
 
 
 class ShmTransport(KVTransport):
@@ -119,6 +152,7 @@ class ShmTransport(KVTransport):
         self.max_attached = max_attached
         self._free: dict[int, list[_Segment]] = {}          # capacity -> free segments
         self._staged: dict[str, tuple[_Segment, int]] = {}  # transfer_id -> (segment, nbytes)
+        self._filling: set[str] = set()                     # transfer ids whose segment a copy is writing
         self._attached: OrderedDict[str, _Mapping] = OrderedDict()
 
     # ---------------------------------------------------------------- sender
@@ -165,7 +199,7 @@ class ShmTransport(KVTransport):
         async def gather(dst: torch.Tensor) -> None:
             out = dst.view(cache.dtype).view(shape)           # [n, *block_shape] inside the segment
             if dst.numel() >= THREAD_COPY_BYTES:
-                await asyncio.to_thread(torch.index_select, cache, 0, ids, out=out)
+                await in_thread(torch.index_select, cache, 0, ids, out=out)
             else:
                 torch.index_select(cache, 0, ids, out=out)
 
@@ -184,12 +218,18 @@ class ShmTransport(KVTransport):
                 raise
             raise transfer_failed(f"cannot create shm segment for {nbytes} B: {exc}") from exc
         self._staged[transfer_id] = (seg, nbytes)
+        self._filling.add(transfer_id)                       # close() leaves this segment to us
         try:
             if nbytes:
                 await fill(seg.data[:nbytes])
         except BaseException:
             await self.release(transfer_id)
             raise
+        finally:
+            self._filling.discard(transfer_id)
+        if self.closed:                                       # closed while we filled: destroy it now
+            await self.release(transfer_id)
+            self._check_open()
         token = secrets.randbits(63) | 1
         seg.header[2] = nbytes
         seg.header[1] = token                                 # publish only after the bytes are in place
@@ -206,22 +246,33 @@ class ShmTransport(KVTransport):
         await self.budget.release(nbytes)
 
     # ---------------------------------------------------------------- receiver
-    def _mapping(self, name: str) -> _Mapping:
+    def _pin(self, name: str) -> _Mapping:
+        """The cached mapping of segment ``name`` (attached if needed), pinned until ``_unpin``."""
         m = self._attached.get(name)
-        if m is not None:
-            self._attached.move_to_end(name)
-            return m
-        m = _Mapping(name)
-        self._attached[name] = m
-        while len(self._attached) > self.max_attached:
-            _, old = self._attached.popitem(last=False)
-            old.close()
+        if m is None:
+            m = self._attached[name] = _Mapping(name)
+        self._attached.move_to_end(name)
+        m.users += 1
+        self._trim()
         return m
+
+    def _unpin(self, m: _Mapping) -> None:
+        m.users -= 1
+        if m.dropped:
+            m.drop()                                          # unmaps once the last user is gone
+        else:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop least recently used unpinned mappings until at most ``max_attached`` remain."""
+        excess = len(self._attached) - self.max_attached
+        for name in [n for n, m in self._attached.items() if m.users == 0][:max(excess, 0)]:
+            self._attached.pop(name).drop()
 
     def _detach(self, name: str) -> None:
         m = self._attached.pop(name, None)
         if m is not None:
-            m.close()
+            m.drop()
 
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
         """Copy the staged bytes out of the sender's segment. Local memory only: bounded by the copy itself."""
@@ -233,23 +284,26 @@ class ShmTransport(KVTransport):
         name, token, offset = handle_fields(handle, "shm", segment=str, token=int, offset=int)
         if offset != HEADER_BYTES:
             raise transfer_failed(f"shm handle offset {offset} != {HEADER_BYTES} (version mismatch?)")
-        m = self._mapping(name)
-        if int(m.header[0]) != MAGIC or int(m.header[1]) != token or int(m.header[2]) != nbytes:
-            self._detach(name)  # a stale mapping of a recycled name must not linger
-            raise transfer_failed(f"shm segment {name!r} no longer holds transfer token {token} "
-                                  "(released, reused or not a deepinfer segment)")
-        if m.data.numel() < nbytes:
-            raise transfer_failed(f"shm segment {name!r} holds {m.data.numel()} B < {nbytes} B")
-        await _copy(as_bytes(result), m.data[:nbytes])
-        if int(m.header[1]) != token:
-            raise transfer_failed(f"shm segment {name!r} was released while it was being read")
+        m = self._pin(name)
+        try:
+            if int(m.header[0]) != MAGIC or int(m.header[1]) != token or int(m.header[2]) != nbytes:
+                self._detach(name)  # a stale mapping of a recycled name must not linger
+                raise transfer_failed(f"shm segment {name!r} no longer holds transfer token {token} "
+                                      "(released, reused or not a deepinfer segment)")
+            if m.data.numel() < nbytes:
+                raise transfer_failed(f"shm segment {name!r} holds {m.data.numel()} B < {nbytes} B")
+            await _copy(as_bytes(result), m.data[:nbytes])
+            if int(m.header[1]) != token:
+                raise transfer_failed(f"shm segment {name!r} was released while it was being read")
+        finally:
+            self._unpin(m)
         return result
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        for tid in list(self._staged):
+        for tid in [t for t in self._staged if t not in self._filling]:
             seg, nbytes = self._staged.pop(tid)
             seg.destroy()
             await self.budget.release(nbytes)

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from shared import subjects
-from shared.kv.transport import available_transports, make_transport, sync_with_server
+from shared.kv.registry import available_transports, make_transport
+from shared.kv.transport import sync_with_server
 from shared.nats_server import start_embedded_server
 
 log = logging.getLogger("bench.kv")

@@ -16,6 +16,8 @@ Invariants (every transport):
 - Sender staging is bounded by ``max_staged_bytes``; a payload larger than the bound fails at once.
 - ``release`` is idempotent and frees the staging of that transfer; ``close`` releases everything.
 - The payload must not be modified between ``stage`` and ``release`` (zero-copy transports read it late).
+
+This module is the base only and imports no transport; ``shared.kv.registry`` lists and builds them.
 """
 from __future__ import annotations
 
@@ -251,59 +253,3 @@ async def unsubscribe_quietly(nc: Any, sub: Any, timeout: float = 1.0) -> None:
         await sync_with_server(nc, timeout)
     except Exception as exc:  # noqa: BLE001 - a closed connection has no subscriptions left anyway
         log.debug("unsubscribe %s: %r", getattr(sub, "subject", "?"), exc)
-
-
-def _shm_factory() -> Callable[..., KVTransport]:
-    from shared.kv.transport_shm import ShmTransport
-    return ShmTransport
-
-
-def _stream_factory() -> Callable[..., KVTransport]:
-    from shared.kv.transport_stream import StreamTransport
-    return StreamTransport
-
-
-def _nixl_factory() -> Callable[..., KVTransport]:
-    from shared.kv.transport_nixl import NixlTransport
-    return NixlTransport
-
-
-def _cuda_ipc_factory() -> Callable[..., KVTransport]:
-    from shared.kv.transport_cuda_ipc import CudaIpcTransport
-    return CudaIpcTransport
-
-
-def _cuda_ipc_available() -> bool:
-    from shared.kv.transport_cuda_ipc import available
-    return available()
-
-
-_FACTORIES: dict[str, Callable[[], Callable[..., KVTransport]]] = {
-    "shm": _shm_factory, "stream": _stream_factory, "nixl": _nixl_factory, "cuda_ipc": _cuda_ipc_factory,
-}
-
-
-def _nixl_available() -> bool:
-    from shared.kv.transport_nixl import nixl_available
-    return nixl_available()
-
-
-_AVAILABLE: dict[str, Callable[[], bool]] = {"shm": lambda: True, "stream": lambda: True, "nixl": _nixl_available,
-                                             "cuda_ipc": _cuda_ipc_available}
-
-
-def available_transports() -> list[str]:
-    """Transports usable in this process: ``shm`` and ``stream`` always, ``nixl`` when its library imports,
-    ``cuda_ipc`` when CUDA is available."""
-    return [name for name, ok in _AVAILABLE.items() if ok()]
-
-
-def make_transport(name: str, nc: Any, worker_id: str, **kwargs: Any) -> KVTransport:
-    """Build transport ``name`` for ``worker_id`` on NATS connection ``nc`` (kwargs: transport options)."""
-    if name not in _FACTORIES:
-        raise DeepinferError(ErrorCode.INVALID_REQUEST,
-                             f"unknown KV transport {name!r}; known: {sorted(_FACTORIES)}")
-    if not _AVAILABLE[name]():
-        raise transfer_failed(f"KV transport {name!r} is not available here "
-                              f"(available: {available_transports()})")
-    return _FACTORIES[name]()(nc, worker_id, **kwargs)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 import zlib
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.transport import available_transports, make_transport
+from shared.kv.registry import available_transports, make_transport
 from shared.nats_server import start_embedded_server
 
 TRANSPORTS = available_transports()
@@ -216,9 +218,24 @@ async def test_closed_transport_refuses(nc):
 
 def test_registry():
     assert {"shm", "stream"} <= set(TRANSPORTS)
+    assert TRANSPORTS == [t for t in ("shm", "stream", "nixl", "cuda_ipc") if t in TRANSPORTS]   # preference
     with pytest.raises(DeepinferError) as ei:
         make_transport("carrier-pigeon", None, "w")
     assert ei.value.code is ErrorCode.INVALID_REQUEST
+    if "cuda_ipc" not in TRANSPORTS:
+        with pytest.raises(DeepinferError) as ei:
+            make_transport("cuda_ipc", None, "w")
+        assert ei.value.code is ErrorCode.TRANSFER_FAILED
+
+
+def test_registry_is_not_in_the_transport_base():
+    """Layering: the base module imports no transport; the registry imports the transports (no cycle)."""
+    import shared.kv.transport as base
+    assert not hasattr(base, "make_transport") and not hasattr(base, "available_transports")
+    code = ("import sys, shared.kv.transport; "
+            "assert not [m for m in sys.modules if m.startswith('shared.kv.transport_')], 'base imports a transport'; "
+            "import shared.kv.registry")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # ------------------------------------------------------------------------------------------- stream specifics

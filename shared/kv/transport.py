@@ -1,12 +1,12 @@
 """KV transfer transports: one interface, several ways to move a prefill worker's KV blocks to a decode worker.
 
-The sender gathers a request's blocks into one contiguous CPU tensor
-``payload = kv_cache[block_ids]`` of shape [n, *block_shape] and calls ``stage(payload, transfer_id)``;
-the returned ``handle`` (a msgpack-able dict) travels in the hand-off header; the receiver calls
-``fetch(handle)`` and gets an identical tensor (same dtype, shape, bytes). ``stage_blocks(kv_cache,
+The sender gathers a request's blocks into one contiguous tensor ``payload = kv_cache[block_ids]`` of
+shape [n, *block_shape] and calls ``stage(payload, transfer_id)``; the returned ``handle`` (a msgpack-able
+dict) travels in the hand-off header; the receiver calls ``fetch(handle)`` and gets an identical tensor (same
+dtype, shape, bytes; on the host, except ``cuda_ipc``: on the receiver's GPU). ``stage_blocks(kv_cache,
 block_ids, transfer_id)`` is the same hand-off without the intermediate payload: shm gathers straight into
-shared memory, nixl reads the blocks in place (4-5x less sender time for 64 MiB here). Once the receiver acked, or the
-hand-off failed or timed out, the sender calls ``release(transfer_id)``.
+shared memory, nixl reads the blocks in place (4-5x less sender time for 64 MiB here). Once the receiver
+acked, or the hand-off failed or timed out, the sender calls ``release(transfer_id)``.
 
 Invariants (every transport):
 - Handles hold only str/int/float/bytes/list/dict and always carry ``transport``, ``dtype`` (e.g.
@@ -16,6 +16,10 @@ Invariants (every transport):
 - Sender staging is bounded by ``max_staged_bytes``; a payload larger than the bound fails at once.
 - ``release`` is idempotent and frees the staging of that transfer; ``close`` releases everything.
 - The payload must not be modified between ``stage`` and ``release`` (zero-copy transports read it late).
+- ``stage_blocks`` takes a contiguous cache on any device. A CPU cache costs one copy at most (the gather
+  into the staging; nixl: none). A device cache is gathered on its device (``index_select``) and then
+  copied to the host exactly once, into the staging itself where the transport has one (shm: the
+  segment); ``cuda_ipc`` gathers on the device straight into its staged tensor (no host copy at all).
 
 This module is the base only and imports no transport; ``shared.kv.registry`` lists and builds them.
 """
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STAGED_BYTES = 1 << 30   # 1 GiB of sender staging per transport instance
 DEFAULT_STAGE_TIMEOUT = 5.0          # seconds stage() waits for staging room before TRANSFER_FAILED
+THREAD_COPY_BYTES = 4 << 20          # copies at least this big run in a worker thread (torch copy drops the GIL)
 
 
 def transfer_failed(message: str) -> DeepinferError:
@@ -75,15 +80,58 @@ def check_payload(payload: torch.Tensor) -> torch.Tensor:
 
 
 def check_blocks(kv_cache: torch.Tensor, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a block-major cache [num_blocks, ...] and block ids; returns (cache, ids as int64 [n])."""
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() < 1 or kv_cache.device.type != "cpu" \
-            or not kv_cache.is_contiguous():
-        raise transfer_failed("kv_cache must be a contiguous CPU tensor [num_blocks, ...]")
+    """Validate a block-major cache [num_blocks, ...] on any device and block ids; returns
+    (cache, ids as int64 [n] on the host)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() < 1 or not kv_cache.is_contiguous():
+        raise transfer_failed("kv_cache must be a contiguous tensor [num_blocks, ...]")
     dtype_name(kv_cache.dtype)
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu").reshape(-1)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
         raise transfer_failed(f"block ids out of range [0, {kv_cache.shape[0]})")
     return kv_cache, ids
+
+
+def gather_blocks_into(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[:] = cache[ids]`` with ``out`` host staging [n, *block_shape]; one copy into ``out`` either way:
+    a CPU cache is gathered straight into it, a device cache through ``gather_via_device``."""
+    if cache.device.type == "cpu":
+        return torch.index_select(cache, 0, ids, out=out)
+    return gather_via_device(cache, ids, out)
+
+
+def gather_via_device(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Gather on the cache's device, then exactly one copy to ``out`` (returns when the bytes are there)."""
+    blocks = cache.index_select(0, ids.to(cache.device))      # [n, *block_shape] on the cache's device
+    out.copy_(blocks)                                          # the one device -> host copy (synchronous)
+    return out
+
+
+async def host_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cache[ids]`` as a new contiguous CPU tensor [n, *block_shape]: a CPU cache is gathered on the
+    loop (one copy); a device cache through ``gather_via_device`` (in a worker thread when big)."""
+    if cache.device.type == "cpu":
+        return cache.index_select(0, ids)
+    out = torch.empty((int(ids.numel()), *cache.shape[1:]), dtype=cache.dtype)   # [n, *block_shape]
+    if out.numel() * out.element_size() >= THREAD_COPY_BYTES:
+        await in_thread(gather_via_device, cache, ids, out)
+    else:
+        gather_via_device(cache, ids, out)
+    return out
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a worker thread; a cancelled caller still waits for the thread to end
+    (then re-raises), so memory the thread touches is never freed or unmapped under it."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def handle_meta(handle: dict) -> tuple[torch.dtype, list[int], int]:
@@ -186,10 +234,10 @@ class KVTransport(abc.ABC):
 
         Same handle and contract as ``stage``; transports override it to gather straight into their staging
         (shm) or to read the blocks in place (nixl), skipping the intermediate payload tensor. The blocks must
-        not be modified until ``release``.
+        not be modified until ``release``. Here: the gathered host payload (``host_blocks``) is staged as is.
         """
-        cache, ids = check_blocks(kv_cache, block_ids)
-        return await self.stage(cache.index_select(0, ids), transfer_id)
+        cache, ids = check_blocks(kv_cache, block_ids)      # [num_blocks, *block_shape], [n]
+        return await self.stage(await host_blocks(cache, ids), transfer_id)
 
     @abc.abstractmethod
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:

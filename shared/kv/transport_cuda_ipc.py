@@ -2,20 +2,24 @@
 
 The sender gathers the blocks into a device tensor it keeps alive until ``release`` and puts the storage's
 IPC handle (torch's ``_share_cuda_`` tuple, bytes and ints) in the hand-off header; the receiver opens the
-handle, copies the bytes into its own tensor on its device, and closes it. No host round trip.
+handle, copies the bytes into its own tensor on its device, and closes it. No host round trip:
+``stage_blocks`` of a CUDA cache gathers on the cache's device straight into the staged tensor (one copy);
+a CPU cache is gathered on the host and moved to the device (``stage``).
 
-Invariants: the staged tensor is never modified or freed before ``release``; the receiver's copy completes
+Invariants: the staged tensor is never modified or freed before ``release`` and its bytes are complete
+(its device's stream synchronized) before a handle is returned; the receiver's copy completes
 (``torch.cuda.synchronize`` on its stream) before ``fetch`` returns, so the sender may release right after the
-ack. Only importable where CUDA is available; ``available()`` says so.
+ack. Usable only where CUDA is available (``available()`` says so); the module imports anywhere.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import torch
 
-from shared.kv.transport import KVTransport, dtype_name, handle_meta, transfer_failed
+from shared.kv.transport import KVTransport, check_blocks, dtype_name, handle_meta, transfer_failed
 
 
 def available() -> bool:
@@ -37,8 +41,28 @@ class CudaIpcTransport(KVTransport):
         device_payload = payload.to("cuda", non_blocking=True).contiguous()  # [n, L, 2, kvh, bs, D]
         nbytes = device_payload.numel() * device_payload.element_size()
         await self._reserve(transfer_id, nbytes)
-        torch.cuda.current_stream().synchronize()  # the bytes exist before anyone can open the handle
+        return self._publish(transfer_id, device_payload)
+
+    async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
+        """A CUDA cache: ``index_select`` on its device straight into the staged tensor (no host copy)."""
+        self._check_open()
+        cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
+        if not cache.is_cuda:
+            return await super().stage_blocks(cache, ids, transfer_id)
+        nbytes = int(ids.numel()) * math.prod(cache.shape[1:]) * cache.element_size()
+        await self._reserve(transfer_id, nbytes)
+        try:
+            staged = cache.index_select(0, ids.to(cache.device))   # [n, *block_shape] on the cache's device
+        except Exception as exc:  # out of device memory, ...
+            await self.budget.release(nbytes)
+            raise transfer_failed(f"cuda_ipc: gathering {nbytes} B on {cache.device} failed: {exc!r}") from exc
+        return self._publish(transfer_id, staged)
+
+    def _publish(self, transfer_id: str, device_payload: torch.Tensor) -> dict:
+        """Keep ``device_payload`` (room already reserved) until ``release``; return its IPC handle."""
+        torch.cuda.current_stream(device_payload.device).synchronize()  # bytes exist before the handle does
         self._staged[transfer_id] = device_payload
+        nbytes = device_payload.numel() * device_payload.element_size()
         storage = device_payload.untyped_storage()
         (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
         return {"transport": self.name, "dtype": dtype_name(device_payload.dtype),

@@ -5,8 +5,10 @@ Available only when the NIXL Python package imports (``nixl``, or the ``nixl_cu1
 
 Handle: {"transport": "nixl", "agent": sender agent name, "md": sender agent metadata (bytes),
 "addr": payload address in the sender, "subject": control subject, "nbytes", "dtype", "shape"}; from
-``stage_blocks`` also "addrs" (one address per block, in order) and "block_bytes": the receiver READs the
-blocks in place from the sender's registered KV cache (zero copies on the sender, no gather).
+``stage_blocks`` of a CPU cache also "addrs" (one address per block, in order) and "block_bytes": the
+receiver READs the blocks in place from the sender's registered KV cache (zero copies on the sender, no
+gather). A device cache is gathered on its device and copied to the host once (``host_blocks``), and that
+payload is staged like ``stage``'s (DRAM only: no VRAM registration).
 
 Invariants:
 - One NIXL agent per transport instance (unique name), progress thread OFF (3-5x faster on few cores), so
@@ -14,7 +16,7 @@ Invariants:
   (``poll_interval``), and ``fetch`` polls ``check_xfer_state`` until DONE/ERR or its deadline.
   All agent calls happen on the event-loop thread (the agent is created with thread sync NONE).
 - The sender registers the payload itself (zero copy) and keeps a reference until ``release``, which
-  deregisters it; a KV cache passed to ``stage_blocks`` stays registered (and referenced) until ``close``.
+  deregisters it; a CPU KV cache passed to ``stage_blocks`` stays registered (and referenced) until ``close``.
   The receiver registers its destination tensor only for the duration of one READ.
 - Validity: the sender answers ``{"op": "check"}`` on subjects.kv_pull(...) while the transfer is staged.
   ``fetch`` checks before the READ (fast failure for released/unknown handles: "no responders") and after
@@ -37,8 +39,8 @@ from nats import errors as nats_errors
 
 from shared import subjects
 from shared.errors import DeepinferError
-from shared.kv.transport import (KVTransport, handle_fields, check_blocks, check_payload, dtype_name, output_tensor,
-                                 sync_with_server, transfer_failed, unsubscribe_quietly)
+from shared.kv.transport import (KVTransport, handle_fields, check_blocks, check_payload, dtype_name, host_blocks,
+                                 output_tensor, sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +125,12 @@ class NixlTransport(KVTransport):
                 "shape": list(payload.shape)}
 
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
-        """Zero copy: register the whole cache once; the receiver READs the n blocks where they are."""
+        """Zero copy: register the whole CPU cache once; the receiver READs the n blocks where they are.
+        A device cache: one gather on the device + one device -> host copy, staged as a payload."""
         self._check_open()
         cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
+        if cache.device.type != "cpu":
+            return await self.stage(await host_blocks(cache, ids), transfer_id)
         self._check_new(transfer_id)
         key = (cache.data_ptr(), cache.numel() * cache.element_size())
         if key not in self._cache_regs and key[1]:

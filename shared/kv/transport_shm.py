@@ -10,7 +10,8 @@ Invariants:
 - Capacities are powers of two (>= ``min_segment_bytes``); free segments are reused by size class, and
   the free pool is trimmed to ``max_pool_bytes``.
 - ``stage`` copies the payload in; ``stage_blocks`` gathers ``kv_cache[block_ids]`` straight into the
-  segment (one copy, no intermediate tensor). Either writes the token into the header after the bytes;
+  segment (one copy, no intermediate tensor; a device cache: gathered on its device, then one device -> host
+  copy straight into the segment). Either writes the token into the header after the bytes;
   ``release`` (and segment destruction) zeroes it first. The receiver checks the token before and after
   copying, so a released or reused segment fails with TRANSFER_FAILED instead of yielding other bytes.
 - Receiver mappings are cached (LRU, ``max_attached`` segments). A fetch pins the mapping it reads
@@ -35,8 +36,9 @@ import numpy as np
 import torch
 
 from shared.errors import DeepinferError
-from shared.kv.transport import (KVTransport, handle_fields, as_bytes, check_blocks, check_payload, dtype_name,
-                                 output_tensor, transfer_failed)
+from shared.kv.transport import (THREAD_COPY_BYTES, KVTransport, handle_fields, as_bytes, check_blocks,
+                                 check_payload, dtype_name, gather_blocks_into, in_thread, output_tensor,
+                                 transfer_failed)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
     import _posixshmem
@@ -47,28 +49,12 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096             # one page: payload stays page-aligned
 MAGIC = 0x4B56534D44494E46      # "KVSMDINF"
-THREAD_COPY_BYTES = 4 << 20     # copies at least this big run in a worker thread (torch copy drops the GIL)
 
 
 def size_class(nbytes: int, minimum: int) -> int:
     """Smallest power of two >= max(nbytes, minimum)."""
     n = max(nbytes, minimum, 1)
     return 1 << (n - 1).bit_length()
-
-
-async def in_thread(fn, *args, **kwargs) -> None:
-    """``fn(*args, **kwargs)`` in a worker thread; a cancelled caller still waits for the thread to end
-    (then re-raises), so memory the thread touches is never unmapped under it."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -192,16 +178,17 @@ class ShmTransport(KVTransport):
                                       lambda dst: _copy(dst, src))
 
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
-        """Gather ``kv_cache[block_ids]`` straight into the segment: one copy, no intermediate tensor."""
+        """Gather ``kv_cache[block_ids]`` straight into the segment: one copy, no intermediate host tensor
+        (a device cache: gathered on its device, then one device -> host copy into the segment)."""
         cache, ids = check_blocks(kv_cache, block_ids)        # [num_blocks, *block_shape], [n]
         shape = [int(ids.numel()), *cache.shape[1:]]
 
         async def gather(dst: torch.Tensor) -> None:
             out = dst.view(cache.dtype).view(shape)           # [n, *block_shape] inside the segment
             if dst.numel() >= THREAD_COPY_BYTES:
-                await in_thread(torch.index_select, cache, 0, ids, out=out)
+                await in_thread(gather_blocks_into, cache, ids, out)
             else:
-                torch.index_select(cache, 0, ids, out=out)
+                gather_blocks_into(cache, ids, out)
 
         return await self._stage_into(transfer_id, cache.dtype, shape, gather)
 

@@ -56,3 +56,40 @@ async def test_cuda_ipc_round_trip_between_processes():
     proc.join(30)
     await sender.release("t1")
     assert torch.equal(got, payload.cpu()) and sender.staged_bytes == 0
+
+
+def _fetch_all(handles, queue):
+    """Spawned receiver: fetch every handle with one cuda_ipc transport, put (device type, host copy) each."""
+    import asyncio
+
+    from shared.kv.transport_cuda_ipc import CudaIpcTransport
+
+    async def run():
+        t = CudaIpcTransport(None, "rx")
+        for handle in handles:
+            got = await t.fetch(handle)
+            queue.put((got.device.type, got.cpu()))
+    asyncio.run(run())
+
+
+async def test_cuda_ipc_stage_blocks_gathers_on_the_device():
+    from shared.kv.transport_cuda_ipc import CudaIpcTransport
+
+    cache = torch.randn(40, 2, 2, 2, 16, 64, device="cuda", dtype=torch.float16)  # [num_blocks, L, 2, kvh, bs, D]
+    ids = [[5, 2, 17, 9], list(range(39, -1, -1))]
+    sender = CudaIpcTransport(None, "tx")
+    handles = [await sender.stage_blocks(cache, ids[0], "b0"),
+               await sender.stage_blocks(cache.cpu(), ids[1], "b1")]              # a CPU cache is moved over
+    assert sender._staged["b0"].device == cache.device and sender._staged["b0"].is_contiguous()
+    assert [h["shape"] for h in handles] == [[len(i), 2, 2, 2, 16, 64] for i in ids]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_fetch_all, args=(handles, queue))
+    proc.start()
+    got = [queue.get(timeout=60) for _ in handles]
+    proc.join(30)
+    for i in range(2):
+        await sender.release(f"b{i}")
+    assert sender.staged_bytes == 0
+    for (device_type, tensor), block_ids in zip(got, ids):
+        assert device_type == "cuda" and torch.equal(tensor, cache[block_ids].cpu())

@@ -21,6 +21,9 @@ from shared.kv.registry import available_transports, make_transport
 from shared.nats_server import start_embedded_server
 
 TRANSPORTS = available_transports()
+# fetch() yields a host tensor on these; cuda_ipc yields a GPU tensor and needs a second process
+# (tests/gpu/test_cuda_paths.py), so the shared contract tests below run on these only.
+HOST_TRANSPORTS = [t for t in TRANSPORTS if t != "cuda_ipc"]
 MIB = 1 << 20
 
 
@@ -34,7 +37,7 @@ def crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=HOST_TRANSPORTS)
 async def pair(request, nc, nc2):
     """(sender, receiver) of one transport, on two different NATS connections."""
     opts = {"stream": {"chunk_bytes": 1 * MIB}}.get(request.param, {})
@@ -95,6 +98,21 @@ async def test_stage_blocks_gathers_exactly(pair, dtype):
     with pytest.raises(DeepinferError) as ei:
         await tx.stage_blocks(cache, [3, 20], "out-of-range")
     assert_transfer_failed(ei)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+async def test_stage_blocks_from_a_cuda_cache(pair, dtype):
+    """A GPU engine's cache: gathered on the device, copied to the host once, fetched exactly."""
+    tx, rx = pair
+    cache = kv((80, 4, 2, 4, 16, 64), torch.float32).to("cuda", dtype)  # [num_blocks, L, 2, kvh, bs, D], 64 KiB each
+    for i, ids in enumerate(([5, 2, 17, 9], list(range(79, -1, -1)))):  # 256 KiB; 5 MiB (a thread copy)
+        handle = await tx.stage_blocks(cache, ids, f"cuda-{i}")
+        assert handle["shape"] == [len(ids), 4, 2, 4, 16, 64]
+        got = await rx.fetch(handle, timeout=10)
+        assert got.device.type == "cpu" and torch.equal(got, cache[ids].cpu())
+        await tx.release(f"cuda-{i}")
+    assert tx.staged_bytes == 0
 
 
 async def test_empty_payload(pair):

@@ -101,7 +101,7 @@ async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dic
 async def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
-                       policy=args.policy)
+                       policy=args.policy, ttft_slo_s=args.ttft_slo)
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--local-prefill-threshold", type=int, default=64)
     up.add_argument("--policy", default="predictive",
                     help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
+    up.add_argument("--ttft-slo", type=float, default=0.0, metavar="S",
+                    help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 

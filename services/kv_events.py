@@ -41,28 +41,49 @@ class KVEventPublisher:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Publish what is queued (best effort), then stop the flush loop. Idempotent."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
+            try:
+                await asyncio.wait_for(self.flush(), 1.0)
+            except Exception as err:  # NATS down: the router resyncs or forgets this worker anyway
+                logger.debug("kv events not flushed at stop: %s", err)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.flush_s)
             try:
                 await self.flush()
-            except Exception as err:  # NATS down: keep the events, retry next tick
+            except Exception as err:  # NATS down: the events were requeued, retry next tick
                 logger.debug("kv events not published: %s", err)
 
     async def flush(self) -> None:
+        """Publish everything queued. A publish that fails puts the unpublished changes back at the front of
+        the queue (their seqs are reused next time); if that overflows the queue, they are dropped and the
+        next published seq skips one, so the index resyncs."""
         with self._lock:
             batch, self._pending = self._pending, collections.deque()
             lost, self._lost = self._lost, False
         if lost:
             self.seq += 1  # a deliberate gap: the index must resync
-        for kind, hashes in _coalesce(batch):
+        events = list(_coalesce(batch))
+        for i, (kind, hashes) in enumerate(events):
+            event = protocol.KVEvent(worker_id=self.worker_id, seq=self.seq + 1, kind=kind, block_hashes=hashes)
+            try:
+                await self.nc.publish(subjects.KV_EVENTS, protocol.encode(event))
+            except BaseException:
+                self._requeue(events[i:])
+                raise
             self.seq += 1
-            event = protocol.KVEvent(worker_id=self.worker_id, seq=self.seq, kind=kind, block_hashes=hashes)
-            await self.nc.publish(subjects.KV_EVENTS, protocol.encode(event))
+
+    def _requeue(self, unsent: list[tuple[str, list[int]]]) -> None:
+        with self._lock:
+            if len(self._pending) + len(unsent) > self._max_pending:
+                self._pending.clear()
+                self._lost = True
+            else:
+                self._pending.extendleft(reversed(unsent))
 
     async def on_snapshot(self, msg) -> None:
         """Reply with every cached hash as of the last published seq (flushes pending events first)."""

@@ -2,7 +2,8 @@
 
 Used by ``deepinfer up`` and by the integration tests. Invariants: ``start()`` returns only when every
 worker has heartbeated (or raises after its timeout with the failing worker's log tail); ``stop()`` is
-idempotent, SIGTERMs every child, SIGKILLs what is still alive after the grace period, then stops the
+idempotent, SIGTERMs every child (each drains, see ``shared/bus.py``), SIGKILLs what is still alive after the
+grace period (longer than the services' default ``drain_grace_s``), then stops the
 server it started — no orphan processes. CPU threads are split between engine processes so two cores are
 never oversubscribed.
 """
@@ -36,6 +37,7 @@ class ClusterSpec:
     transports: str = "cuda_ipc,shm,nixl,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"
+    ttft_slo_s: float = 0.0  # > 0: the router rejects (overloaded) requests predicted to miss it
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
 
@@ -73,7 +75,7 @@ class Cluster:
             self.nats_url = self.server.url
         self._spawn("router", "services.router", ["--nats-url", self.nats_url, "--worker-id", "router",
                                                   "--local-prefill-threshold", str(s.local_prefill_threshold),
-                                                  "--policy", s.policy,
+                                                  "--policy", s.policy, "--ttft-slo-s", str(s.ttft_slo_s),
                                                   *(["--model", s.model] if s.model else [])], 1)
         names = ["router"] + [self.spawn_worker("prefill", i) for i in range(s.prefill)] + \
             [self.spawn_worker("decode", i) for i in range(s.decode)]
@@ -111,7 +113,13 @@ class Cluster:
         self.procs[name].kill()
         self.procs[name].wait(10)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    async def terminate(self, name: str, timeout_s: float = 60.0) -> int:
+        """SIGTERM one process (it drains) and wait for it to exit; returns its exit code."""
+        proc = self.procs[name]
+        proc.terminate()
+        return await asyncio.to_thread(proc.wait, timeout_s)
+
+    def stop(self, grace_s: float = 30.0) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()

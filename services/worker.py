@@ -1,20 +1,30 @@
-"""What prefill and decode workers share: engine start-up, transports, NATS runtime, cancellation."""
+"""What prefill and decode workers share: engine start-up, transports, NATS runtime, cancellation, drain.
+
+Drain (SIGTERM, ``shutdown``; idempotent): withdraw (a draining heartbeat and registry entry; new work is
+refused with ``unavailable`` and the router places it elsewhere) → let in-flight requests finish for up to
+``drain_grace_s`` → hand back the rest (each gets a final ``worker_lost`` chunk after the last token it
+streamed, so the router continues it elsewhere from prompt + delivered tokens) → close KV events,
+transports and the engine → drain NATS last. No request is lost: every one either finishes here or is handed
+back.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import sys
 
 from shared import protocol, subjects
-from shared.bus import ServiceRuntime, connect
+from shared.bus import HAND_BACK_WAIT_S, ServiceRuntime, connect
 from shared.config import WorkerConfig, load_config
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
-from shared.kv.transport import available_transports, make_transport
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv.registry import available_transports, make_transport
 from services.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -29,7 +39,8 @@ class Worker:
         self.runtime: ServiceRuntime | None = None
         self.aengine: AsyncEngine | None = None
         self.transports: dict = {}
-        self.active: dict[str, asyncio.Task] = {}  # request id -> the task serving it (for cancel)
+        self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
+        self._shutdown: asyncio.Task | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -44,7 +55,7 @@ class Worker:
         engine = await asyncio.to_thread(LLMEngine.from_path, c.model or None, engine_cfg)
         self.nc = await connect(c.nats_url, c.worker_id)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
-        engine.block_manager.event_sink = self.kv_events.sink  # set before the engine thread starts
+        engine.set_kv_event_sink(self.kv_events.sink)  # before the engine thread starts
         self.aengine = AsyncEngine(engine)
         self.aengine.start()
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
@@ -55,8 +66,8 @@ class Worker:
                                    block_size=c.block_size, started_at=0.0)
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s)
         await self.serve_handlers()
-        await self.runtime.serve(subjects.CANCEL, self.on_cancel)
-        await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot)
+        await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
+        await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)
         self.kv_events.start()
         self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq})
         logger.info("%s ready (transports %s)", c.worker_id, offered)
@@ -65,17 +76,17 @@ class Worker:
         raise NotImplementedError
 
     async def _cached_hashes(self) -> list[int]:
-        return await self.aengine.call(lambda: list(self.engine.block_manager.cached))
+        return await self.aengine.call(self.engine.cached_block_hashes)
 
     async def on_cancel(self, msg) -> None:
         req = protocol.decode(msg.data, protocol.CancelRequest)
-        task = self.active.get(req.request_id)
-        if task is not None:
+        entry = self.active.get(req.request_id)
+        if entry is not None:
             logger.info("[%s] cancelled", req.request_id)
-            task.cancel()
+            entry[0].cancel()
 
-    def track(self, request_id: str) -> None:
-        self.active[request_id] = asyncio.current_task()
+    def track(self, request_id: str, reply_to: str) -> None:
+        self.active[request_id] = (asyncio.current_task(), reply_to)
 
     def untrack(self, request_id: str) -> None:
         self.active.pop(request_id, None)
@@ -94,14 +105,41 @@ class Worker:
     async def run_forever(self) -> None:
         await self.start()
         self.runtime.install_signal_handlers()
-        await self.runtime.stopped.wait()
-        for task in list(self.active.values()):
-            task.cancel()
+        await self.runtime.stop_requested.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Drain and stop (see the module docstring). Idempotent; concurrent calls wait for the same drain."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.create_task(self._drain_and_close())
+        await asyncio.shield(self._shutdown)
+
+    async def _drain_and_close(self) -> None:
+        rt = self.runtime
+        await rt.withdraw()
+        await rt.finish_inflight(self.config.drain_grace_s, self.hand_back)
         await self.kv_events.stop()
         for transport in self.transports.values():
             await transport.close()
         await self.aengine.stop()
+        await rt.close()
         logger.info("%s stopped", self.config.worker_id)
+
+    async def hand_back(self) -> None:
+        """Stop every request still served here; each one that did not finish meanwhile gets a final
+        ``worker_lost`` chunk, published after its last token, so its router continues it elsewhere."""
+        held = dict(self.active)
+        if not held:
+            return
+        for task, _ in held.values():
+            task.cancel()
+        await asyncio.wait([task for task, _ in held.values()], timeout=HAND_BACK_WAIT_S)
+        err = DeepinferError(ErrorCode.WORKER_LOST, f"{self.config.worker_id} is shutting down: handed back")
+        for rid, (task, reply_to) in held.items():
+            if task.cancelled():
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, 0, err)))
+        logger.info("%s handed back %d requests", self.config.worker_id, sum(t.cancelled() for t, _ in held.values()))
 
 
 def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None) -> None:

@@ -1,13 +1,22 @@
 """NATS plumbing shared by every service: connect with reconnect, one error contract per handler, heartbeats
-with load metrics, registration in a JetStream KV bucket with a TTL, and a drain-on-signal lifecycle.
+with load metrics, registration in a JetStream KV bucket with a TTL, and the drain lifecycle.
 
-Lifecycle (idempotent): ``stop()`` → unsubscribe (stop taking work) → wait up to ``grace_s`` for in-flight
-handlers → cancel the rest → delete the registry entry → drain and close the connection.
+Lifecycle (each step idempotent; a service runs them in this order on SIGTERM, see ``Service.shutdown``):
+
+1. ``withdraw()``: mark this service draining in an immediate heartbeat and in its registry entry (routers
+   place nothing new here), leave queue groups (a peer in the group takes new work), and refuse work that
+   still arrives on direct subjects with ``unavailable`` (the router re-places it elsewhere). Heartbeats go on,
+   so routers keep treating streams still served here as alive. Control handlers (cancel, snapshots) still run.
+2. ``finish_inflight(grace_s, hand_back)``: wait up to ``grace_s`` for work handlers to finish; then call
+   ``hand_back()`` (the service gives what it still holds back to its router) and cancel what is left.
+3. The service closes its own resources (transports, engine).
+4. ``close()``: stop heartbeats, delete the registry entry, drain and close the NATS connection (last).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -22,6 +31,7 @@ from shared.errors import DeepinferError, ErrorCode
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Msg], Awaitable[None]]
+HAND_BACK_WAIT_S = 5.0  # after hand_back(), how long handlers get to publish their last chunk
 
 
 async def connect(url: str, name: str) -> nats.NATS:
@@ -48,28 +58,35 @@ async def reply_error(msg: Msg, err: DeepinferError) -> None:
 
 class ServiceRuntime:
     def __init__(self, nc: nats.NATS, info: protocol.WorkerInfo, *, heartbeat_s: float = 1.0,
-                 registry_ttl_s: float = 5.0, grace_s: float = 10.0) -> None:
+                 registry_ttl_s: float = 5.0) -> None:
         self.nc, self.info = nc, info
-        self.heartbeat_s, self.registry_ttl_s, self.grace_s = heartbeat_s, registry_ttl_s, grace_s
-        self.stopped = asyncio.Event()
+        self.heartbeat_s, self.registry_ttl_s = heartbeat_s, registry_ttl_s
+        self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT; the service then shuts down
         self.error_counts: dict[str, int] = {}
-        self._subs: list = []
-        self._inflight: set[asyncio.Task] = set()
-        self._background: list[asyncio.Task] = []
+        self.draining = False
+        self._queue_subs: list = []
+        self._inflight: set[asyncio.Task] = set()  # work handlers running now
+        self._background: set[asyncio.Task] = set()
+        self._load_fn: Callable[[], dict] | None = None
         self._kv = None
-        self._stopping = False
+        self._closed = False
 
-    async def serve(self, subject: str, handler: Handler, queue: str = "") -> None:
-        """Subscribe ``handler``; every message runs as a tracked task with the one error contract."""
+    async def serve(self, subject: str, handler: Handler, queue: str = "", work: bool = True) -> None:
+        """Subscribe ``handler``; every message runs as a task with the one error contract. ``work`` handlers
+        are tracked for the drain and refused once draining; control handlers (``work=False``) always run."""
         async def on_msg(msg: Msg) -> None:
-            if self._stopping:
-                await reply_error(msg, DeepinferError(ErrorCode.UNAVAILABLE, "worker is shutting down"))
+            if work and self.draining:
+                await reply_error(msg, DeepinferError(ErrorCode.UNAVAILABLE,
+                                                      f"{self.info.worker_id} is draining"))
                 return
             task = asyncio.create_task(self._guard(subject, handler, msg))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            tasks = self._inflight if work else self._background
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
-        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=4096))
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=4096)
+        if work and queue:
+            self._queue_subs.append(sub)
 
     async def _guard(self, subject: str, handler: Handler, msg: Msg) -> None:
         try:
@@ -85,22 +102,35 @@ class ServiceRuntime:
             logger.exception("%s: handler failed", subject)
             await reply_error(msg, DeepinferError(ErrorCode.INTERNAL, "internal error (see worker log)"))
 
-    def start_heartbeat(self, load_fn: Callable[[], dict]) -> None:
-        self._background.append(asyncio.create_task(self._heartbeat(load_fn)))
+    def spawn(self, coro: Awaitable) -> asyncio.Task:
+        """Run ``coro`` as a background task that is kept referenced and cancelled by ``close``."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
-    async def _heartbeat(self, load_fn: Callable[[], dict]) -> None:
-        subject = subjects.load(self.info.worker_id)
+    def start_heartbeat(self, load_fn: Callable[[], dict]) -> None:
+        self._load_fn = load_fn
+        self.spawn(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
         while True:
-            try:
-                report = protocol.LoadReport(worker_id=self.info.worker_id, role=self.info.role,
-                                             model_id=self.info.model_id, transports=list(self.info.transports),
-                                             block_size=self.info.block_size, host=self.info.host,
-                                             timestamp=time.time(), **load_fn())
-                await self.nc.publish(subject, protocol.encode(report))
-                await self._register()
-            except Exception as err:  # NATS down: keep beating, reconnect is automatic
-                logger.debug("heartbeat failed: %s", err)
+            await self.beat()
             await asyncio.sleep(self.heartbeat_s)
+
+    async def beat(self) -> None:
+        """Publish one heartbeat and refresh the registry entry (failures are logged: NATS may be down)."""
+        if self._load_fn is None or self._closed:
+            return
+        try:
+            report = protocol.LoadReport(worker_id=self.info.worker_id, role=self.info.role,
+                                         model_id=self.info.model_id, transports=list(self.info.transports),
+                                         block_size=self.info.block_size, host=self.info.host,
+                                         timestamp=time.time(), draining=self.draining, **self._load_fn())
+            await self.nc.publish(subjects.load(self.info.worker_id), protocol.encode(report))
+            await self._register()
+        except Exception as err:  # NATS down: keep beating, reconnect is automatic
+            logger.debug("heartbeat failed: %s", err)
 
     async def _register(self) -> None:
         if self._kv is None:
@@ -116,26 +146,47 @@ class ServiceRuntime:
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+            loop.add_signal_handler(sig, self.stop_requested.set)
 
-    async def stop(self) -> None:
-        if self._stopping:
-            await self.stopped.wait()
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def withdraw(self) -> None:
+        """Step 1: stop being placed on (draining heartbeat + registry entry), leave queue groups."""
+        if self.draining:
             return
-        self._stopping = True
-        logger.info("%s: stopping (%d in flight)", self.info.worker_id, len(self._inflight))
-        for sub in self._subs:
+        self.draining = True
+        self.info = dataclasses.replace(self.info, draining=True)
+        logger.info("%s: draining (%d in flight)", self.info.worker_id, len(self._inflight))
+        for sub in self._queue_subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        await self.beat()
+
+    async def finish_inflight(self, grace_s: float,
+                              hand_back: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Step 2: wait up to ``grace_s`` for work handlers; then ``hand_back()`` and cancel what is left."""
         if self._inflight:
-            _, pending = await asyncio.wait(list(self._inflight), timeout=self.grace_s)
-            for task in pending:
-                task.cancel()
-        for task in self._background:
+            await asyncio.wait(list(self._inflight), timeout=grace_s)
+        if self._inflight and hand_back is not None:
+            logger.info("%s: handing back %d requests", self.info.worker_id, len(self._inflight))
+            await hand_back()
+            if self._inflight:
+                await asyncio.wait(list(self._inflight), timeout=HAND_BACK_WAIT_S)
+        for task in list(self._inflight):
+            task.cancel()
+
+    async def close(self) -> None:
+        """Step 4: stop heartbeats, delete the registry entry, drain NATS. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._background):
             task.cancel()
         with contextlib.suppress(Exception):
             if self._kv is not None:
                 await asyncio.wait_for(self._kv.delete(self.info.worker_id), 2)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 5)
-        self.stopped.set()
+        logger.info("%s: closed", self.info.worker_id)

@@ -34,14 +34,15 @@ class WorkerConfig:
     transports: str = "cuda_ipc,shm,nixl,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     handoff_timeout_s: float = 30.0
+    drain_grace_s: float = 20.0  # on SIGTERM: how long in-flight requests may finish before being handed back
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-        if self.kv_cache_mb <= 0 or self.threads < 0 or self.heartbeat_s <= 0:
-            raise ValueError("kv_cache_mb and heartbeat_s must be positive, threads >= 0")
+        if self.kv_cache_mb <= 0 or self.threads < 0 or self.heartbeat_s <= 0 or self.drain_grace_s < 0:
+            raise ValueError("kv_cache_mb and heartbeat_s must be positive, threads and drain_grace_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class RouterConfig:
     ttft_slo_s: float = 0.0  # > 0: reject (overloaded) requests whose predicted TTFT exceeds it
     profile: str = "smollm2-cpu"  # step-time model the policies predict with (shared/sched/profiles.py)
     block_size: int = 16  # the workers' KV block size (tokens), for the profile's per-block transfer time
+    drain_grace_s: float = 20.0  # on SIGTERM: how long relayed streams may finish before being cancelled
 
     def __post_init__(self) -> None:
         from shared.sched.policies import POLICIES
@@ -66,7 +68,8 @@ class RouterConfig:
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
-                or self.block_size <= 0 or self.max_failovers < 0):
+                or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
+                or self.ttft_slo_s < 0):
             raise ValueError("invalid router config")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")

@@ -38,6 +38,7 @@ MAX_CHAT_MESSAGES = 1000
 ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
 PREFILL_MODES = ("auto", "remote", "local")
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
+KV_TIERS = ("device", "host", "disk", "cache_tier")  # a worker's pool, its host memory, its disk, the cache tier
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
           "int64", "int32", "int16", "int8", "uint8")
 
@@ -267,6 +268,7 @@ class LoadReport(WireModel):
     timestamp: float
     queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
     kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
+    draining: bool = False          # shutting down: finishes what it holds, takes nothing new
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
@@ -289,6 +291,7 @@ class WorkerInfo(WireModel):
     transports: list[str]
     block_size: int
     started_at: float
+    draining: bool = False
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
@@ -313,7 +316,7 @@ class KVEvent(WireModel):
         _check_one_of("kind", self.kind, KV_EVENT_KINDS)
         _require(not self.block_hashes or min(self.block_hashes) >= 0,
                  "field 'block_hashes': hashes must be unsigned 64-bit ints")
-        _require(bool(self.tier), "field 'tier': must not be empty")
+        _check_one_of("tier", self.tier, KV_TIERS)
 
 
 @wire_message(MAX_MESSAGE_BYTES)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from shared import protocol, subjects
-from shared.engine.kv_handoff import import_prefilled
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.transport import handle_meta
 from services.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -26,40 +24,48 @@ class DecodeService(Worker):
     async def on_message(self, msg) -> None:
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest))
         params = protocol.sampling_from_dict(req.sampling)
-        self.engine.validate(req.prompt_token_ids, params)
         rid, eng = req.request_id, self.engine
-        if isinstance(req, protocol.KVHandoff):
+        handoff = isinstance(req, protocol.KVHandoff)
+        if handoff:
             transport = self.transports.get(req.transport)
             if transport is None:
                 raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
-            kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
-            expected = [req.num_blocks, *req.block_shape]
-            if list(kv.shape) != expected or str(kv.dtype) != f"torch.{req.dtype}":
-                raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV arrived as {list(kv.shape)} {kv.dtype}, "
-                                     f"expected {expected} {req.dtype}")
-            kv = kv.to(torch.device(eng.model.device))
-            submit = lambda: import_prefilled(eng, rid, req.prompt_token_ids, req.first_token, params, kv,
-                                              req.cache_salt)
-            seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms}
+            dtype, shape, _ = handle_meta(req.handle)  # the handle's own fields agree with each other
+            if [req.num_blocks, *req.block_shape] != shape or f"torch.{req.dtype}" != str(dtype):
+                raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {[req.num_blocks, *req.block_shape]}"
+                                     f" {req.dtype} disagrees with its handle {shape} {dtype}")
+            # before any allocation or fetch: a bad hand-off is refused here, never reaches the batch
+            eng.check_handoff(req.prompt_token_ids, req.first_token, params, shape, req.dtype)
         else:
-            submit = lambda: eng.add_request(req.prompt_token_ids, params, rid, req.cache_salt)
-            seq, extra = 0, {}
+            eng.validate(req.prompt_token_ids, params)
+        self.track(rid, req.reply_to)
+        acked = False
+
         async def ack() -> None:
+            nonlocal acked
+            acked = True
             if msg.reply:
                 await msg.respond(protocol.encode(protocol.Ack()))
 
-        handoff = isinstance(req, protocol.KVHandoff)
-        if not handoff:
-            await ack()  # accepted now: an engine step in progress may take seconds to end
-        self.track(rid)
         try:
+            if handoff:
+                kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
+                kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
+                submit = lambda: eng.import_prefilled(rid, req.prompt_token_ids, req.first_token, params, kv,
+                                                      req.cache_salt)
+                seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms}
+            else:
+                submit = lambda: eng.add_request(req.prompt_token_ids, params, rid, req.cache_salt)
+                seq, extra = 0, {}
+                await ack()  # accepted now: an engine step in progress may take seconds to end
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
-            async for out in self.aengine.run(rid, submit, params.max_tokens + 1, ack if handoff else None):
+            async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
+                                              ack if handoff else None):
                 await self.publish_output(req.reply_to, seq, out, extra if out.finished else None)
                 seq += 1
         except DeepinferError as err:
-            if handoff:
-                raise  # the prefill side reports it
+            if not acked:
+                raise  # the prefill side (hand-off) or the router (dispatch) hears it in the reply
             await self.nc.publish(req.reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, seq, err)))
         finally:
             self.untrack(rid)

@@ -13,7 +13,6 @@ import logging
 import time
 
 from shared import protocol, subjects
-from shared.engine.kv_handoff import block_shape
 from shared.errors import DeepinferError, ErrorCode
 from services.worker import Worker
 
@@ -32,7 +31,7 @@ class PrefillService(Worker):
         self.engine.validate(req.prompt_token_ids, params)
         await msg.respond(protocol.encode(protocol.Ack()))
         rid = req.request_id
-        self.track(rid)
+        self.track(rid, req.reply_to)
         try:
             await asyncio.wait_for(self._prefill(req, params), timeout=max(req.deadline_s, 0.1))
         except asyncio.TimeoutError:
@@ -52,24 +51,19 @@ class PrefillService(Worker):
         final = outs[-1]
         if final.finish_reason not in ("length", "stop"):
             raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
-        first = final.new_token_ids[0]
-        is_stop = (first in eng.eos_token_ids and not params.ignore_eos) or first in params.stop_token_ids
-        if is_stop or params.max_tokens == 1 or final.finish_reason == "stop":
-            final.finish_reason = "stop" if is_stop or final.finish_reason == "stop" else "length"
+        if final.finish_reason == "stop" or params.max_tokens == 1:  # the engine's stop rule ended it
             await self.publish_output(req.reply_to, 0, final)
             return
-        first_chunk = dataclasses.replace(final, finished=False, finish_reason=None)
-        await self.publish_output(req.reply_to, 0, first_chunk)
-        num_blocks = -(-len(req.prompt_token_ids) // eng.config.block_size)
-        ids = (await self.aengine.call(lambda: eng.block_manager.block_ids(rid)))[:num_blocks]
+        await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))
+        ids = await self.aengine.call(lambda: eng.prompt_block_ids(rid))
         transport = self.transports[req.transport]
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
-        handle = await transport.stage_blocks(self.runner_cache, ids, rid)  # gathers straight into staging
+        handle = await transport.stage_blocks(eng.kv_cache, ids, rid)  # gathers straight into staging
         try:
             handoff = protocol.KVHandoff(
-                request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=first, sampling=req.sampling,
-                reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
-                block_shape=block_shape(eng), dtype=str(self.runner_cache.dtype).removeprefix("torch."),
+                request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=final.new_token_ids[0],
+                sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
+                block_shape=list(eng.kv_cache.shape[1:]), dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id)
             try:
@@ -83,10 +77,6 @@ class PrefillService(Worker):
                 raise answer.to_exception()
         finally:
             await transport.release(rid)
-
-    @property
-    def runner_cache(self):
-        return self.engine.runner.kv_cache  # [num_blocks, L, 2, kvh, block_size, D]
 
     async def _fail(self, req: protocol.PrefillRequest, err: DeepinferError) -> None:
         logger.warning("[%s] prefill failed: %s", req.request_id, err)

@@ -13,7 +13,7 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import hash_prompt_blocks
 from shared.sched.policies import make_policy
 from shared.sched.types import ClusterView, CostModel, Reject, RequestInfo, WorkerView
-from services.router.workers import WorkerState, WorkerTable
+from services.router.workers import WorkerState, WorkerTable, choose_transport
 
 
 def worker_view(state: WorkerState) -> WorkerView:
@@ -33,12 +33,13 @@ class Placer:
         self.table, self.index, self.cost = table, index, cost
         self.threshold, self.ttft_slo_s = local_prefill_threshold, ttft_slo_s
 
-    def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str,
-              mode: str, exclude: Collection[str] = ()) -> tuple[WorkerState | None, WorkerState]:
-        """``(prefill worker or None for local prefill, decode worker)``; raises ``unavailable`` or
-        ``overloaded``. Workers in ``exclude`` (a failed attempt's) are avoided while a role has others."""
-        for wid in [w for w in self.table.workers if not self.table.is_alive(w)]:
-            self.index.remove_worker(wid)
+    def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str, mode: str,
+              transport: str = "", exclude: Collection[str] = ()
+              ) -> tuple[WorkerState | None, WorkerState, str | None]:
+        """``(prefill worker or None for local prefill, decode worker, KV transport or None)``; raises
+        ``unavailable`` or ``overloaded``. Workers in ``exclude`` (a failed attempt's) are avoided while a role
+        has others. Without a common KV transport the pair falls back to local prefill, unless the request
+        forced remote prefill or a transport (then ``unavailable``)."""
         decode = _avoid(self.table.alive("decode"), exclude)
         if not decode:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
@@ -58,10 +59,17 @@ class Placer:
         states = self.table.workers
         prefill_state = states[decision.prefill_worker] if decision.prefill_worker else None
         if mode == "remote" and prefill_state is None:
-            prefill_state = self.table.pick_prefill()
+            prefill_state = self.table.pick_prefill(prefill)
         elif mode == "auto" and self.policy.name != "predictive" and len(prompt) <= self.threshold:
             prefill_state = None
-        return prefill_state, states[decision.decode_worker]
+        decode_state = states[decision.decode_worker]
+        if prefill_state is None:
+            return None, decode_state, None
+        chosen = choose_transport(prefill_state.report, decode_state.report, transport)
+        if chosen is None and (mode == "remote" or transport):
+            raise DeepinferError(ErrorCode.UNAVAILABLE, f"no common KV transport ({transport or 'any'}) between "
+                                 f"{prefill_state.report.worker_id} and {decode_state.report.worker_id}")
+        return (prefill_state, decode_state, chosen) if chosen else (None, decode_state, None)
 
 
 def _avoid(states: list[WorkerState], exclude: Collection[str]) -> list[WorkerState]:

@@ -1,6 +1,9 @@
 """The router's live view of workers, fed by heartbeats on ``di.v1.load.*``.
 
-A worker is alive while its last heartbeat is younger than ``dead_after_s``. Placement itself is the
+A worker is alive while its last heartbeat is younger than ``dead_after_s``; new work is placed only on
+alive workers that are not draining (a draining worker is still alive: the streams it finishes are watched
+as usual). An entry dead for longer than ``forget_after_s`` is dropped by ``prune`` (restarted workers come
+back under new ids, so the table would otherwise grow forever). Placement itself is the
 policy's (``shared/sched/policies.py`` via ``services/router/placement.py``); ``pick_prefill`` only serves
 requests that force remote prefill when the policy chose local. Ties break by worker id.
 """
@@ -21,8 +24,9 @@ class WorkerState:
 
 
 class WorkerTable:
-    def __init__(self, dead_after_s: float) -> None:
+    def __init__(self, dead_after_s: float, forget_after_s: float | None = None) -> None:
         self.dead_after_s = dead_after_s
+        self.forget_after_s = max(dead_after_s, forget_after_s if forget_after_s is not None else 10 * dead_after_s)
         self.workers: dict[str, WorkerState] = {}
 
     def update(self, report: protocol.LoadReport, now: float | None = None) -> None:
@@ -39,14 +43,23 @@ class WorkerTable:
         return state is not None and now - state.last_seen < self.dead_after_s
 
     def alive(self, role: str, now: float | None = None) -> list[WorkerState]:
+        """Workers of ``role`` that take new work: heartbeating and not draining."""
         now = time.monotonic() if now is None else now
         return [s for s in self.workers.values()
-                if s.report.role == role and now - s.last_seen < self.dead_after_s]
+                if s.report.role == role and not s.report.draining and now - s.last_seen < self.dead_after_s]
 
-    def pick_prefill(self) -> WorkerState | None:
-        return min(self.alive("prefill"), default=None,
+    def prune(self, now: float | None = None) -> list[str]:
+        """Drop workers silent for longer than ``forget_after_s``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        gone = [wid for wid, s in self.workers.items() if now - s.last_seen >= self.forget_after_s]
+        for wid in gone:
+            del self.workers[wid]
+        return gone
+
+    def pick_prefill(self, candidates: list[WorkerState] | None = None) -> WorkerState | None:
+        """The least-loaded prefill worker among ``candidates`` (default: every alive one)."""
+        return min(self.alive("prefill") if candidates is None else candidates, default=None,
                    key=lambda s: (s.report.num_waiting + s.report.num_running + s.inflight, s.report.worker_id))
-
 
 
 def choose_transport(prefill: protocol.LoadReport, decode: protocol.LoadReport, forced: str = "") -> str | None:

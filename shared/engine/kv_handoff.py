@@ -1,8 +1,14 @@
-"""Moving a prefilled request's KV between engines (prefill worker → decode worker).
+"""Moving a prefilled request's KV between engines (prefill worker → decode worker). Services use the
+engine's methods built on these (``LLMEngine.prompt_block_ids``, ``check_handoff``, ``import_prefilled``).
 
 Export (prefill side): a request added with ``hold_kv=True`` and ``max_tokens=1`` finishes after its first
-token with its blocks still allocated; ``export_kv`` copies the blocks that hold the prompt's KV into one
-contiguous tensor ``[num_blocks, L, 2, kvh, block_size, D]``; ``LLMEngine.release_held`` then frees them.
+token with its blocks still allocated; ``prompt_block_ids`` names the blocks that hold the prompt's KV
+(a transport stages them straight from the cache) and ``export_kv`` copies them into one contiguous tensor
+``[num_blocks, L, 2, kvh, block_size, D]``; ``LLMEngine.release_held`` then frees them.
+
+Check (decode side, before any allocation or fetch): ``check_handoff`` rejects a first token outside the
+vocabulary (``invalid_request``) and a payload whose shape or dtype is not this engine's layout for the
+prompt (``transfer_failed``), so one bad hand-off never reaches a batch.
 
 Import (decode side): ``import_prefilled`` creates the request with ``prompt + [first_token]`` as its tokens,
 reuses the decode engine's own prefix-cache hits, writes the remaining blocks from the payload and marks the
@@ -12,29 +18,54 @@ work is never lost.
 """
 from __future__ import annotations
 
+from __future__ import annotations
+
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
 
+if TYPE_CHECKING:
+    from shared.engine.llm_engine import LLMEngine
 
-def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
-    """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
+
+def prompt_block_ids(engine: LLMEngine, request_id: str) -> list[int]:
+    """The blocks holding a held (``hold_kv``) request's prompt KV, in prompt order."""
     req = engine.held.get(request_id)
     if req is None:
         raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
     num_blocks = -(-req.num_prompt_tokens // engine.config.block_size)
-    ids = engine.block_manager.block_ids(request_id)[:num_blocks]
-    return engine.runner.kv_cache[torch.tensor(ids, dtype=torch.long, device=engine.model.device)]
+    return engine.block_manager.block_ids(request_id)[:num_blocks]
+
+
+def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
+    """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
+    ids = prompt_block_ids(engine, request_id)
+    return engine.kv_cache[torch.tensor(ids, dtype=torch.long, device=engine.model.device)]
 
 
 def block_shape(engine: LLMEngine) -> list[int]:
     """Shape of one KV block: ``[L, 2, kvh, block_size, D]``."""
-    return list(engine.runner.kv_cache.shape[1:])
+    return list(engine.kv_cache.shape[1:])
+
+
+def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                  shape: list[int], dtype: str) -> None:
+    """Raise unless a hand-off of ``prompt_token_ids`` + ``first_token`` whose payload is ``shape`` /
+    ``dtype`` (torch name without ``torch.``) can be imported here. Allocates and reads nothing."""
+    engine.validate(prompt_token_ids, params)
+    vocab = engine.model.config.vocab_size
+    if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
+        raise invalid(f"first_token {first_token!r} is not in [0, {vocab})")
+    want = [-(-len(prompt_token_ids) // engine.config.block_size), *block_shape(engine)]
+    have_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+    if list(shape) != want or dtype != have_dtype:
+        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(shape)} {dtype} does not match this "
+                             f"engine's {want} {have_dtype} for a {len(prompt_token_ids)}-token prompt")
 
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
@@ -43,12 +74,9 @@ def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
-    engine.validate(prompt_token_ids, params)
     bs = engine.config.block_size
-    num_blocks = -(-len(prompt_token_ids) // bs)
-    if list(kv.shape) != [num_blocks, *block_shape(engine)]:
-        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload shape {list(kv.shape)} does not match "
-                             f"[{num_blocks}, *{block_shape(engine)}]")
+    check_handoff(engine, prompt_token_ids, first_token, params, list(kv.shape),
+                  str(kv.dtype).removeprefix("torch."))
     req = Request(request_id, prompt_token_ids, params, block_size=bs, model_id=engine.model.config.model_id,
                   cache_salt=cache_salt)
     if engine.tokenizer is not None:
@@ -69,7 +97,7 @@ def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     if new_ids is None:
         sched.add(req)  # recompute locally when there is room; exact, just slower
         return False
-    kv_cache = engine.runner.kv_cache
+    kv_cache = engine.kv_cache
     kv_cache[torch.tensor(new_ids, dtype=torch.long, device=kv_cache.device)] = kv[len(hits):].to(kv_cache)
     req.num_computed_tokens = len(prompt_token_ids)
     req.status = RequestStatus.RUNNING

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from shared.engine import kv_handoff
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
@@ -97,6 +98,31 @@ class LLMEngine:
         """Free the blocks of a finished ``hold_kv`` request (idempotent); hashed ones stay cached."""
         if self.held.pop(request_id, None) is not None:
             self.block_manager.free(request_id)
+
+    # -- KV hand-off (prefill worker -> decode worker; see shared/engine/kv_handoff.py) ---------------
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The paged KV cache ``[num_blocks, L, 2, kvh, block_size, D]`` (blocks named by block ids)."""
+        return self.runner.kv_cache
+
+    def prompt_block_ids(self, request_id: str) -> list[int]:
+        return kv_handoff.prompt_block_ids(self, request_id)
+
+    def check_handoff(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                      shape: list[int], dtype: str) -> None:
+        kv_handoff.check_handoff(self, prompt_token_ids, first_token, params, shape, dtype)
+
+    def import_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                         params: SamplingParams, kv: torch.Tensor, cache_salt: str = "") -> bool:
+        return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt)
+
+    def set_kv_event_sink(self, sink) -> None:
+        """``sink(kind, hashes)`` hears every prefix-cache change (set before stepping starts)."""
+        self.block_manager.event_sink = sink
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a KV-event snapshot)."""
+        return list(self.block_manager.cached)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)

@@ -1,7 +1,8 @@
 """The router's KV index: which worker holds which KV blocks, in which tier, fed by ``di.v1.kv.events``.
 
-Tiers are free-form names: ``"device"`` (a worker's GPU pool, what ``overlap`` reports), and slower ones such as
-``"host"``, ``"disk"`` and ``"cache_tier"`` (what ``tier_overlap`` reports, i.e. ``ClusterView.remote_overlap``).
+Tiers are the closed set ``protocol.KV_TIERS``: ``"device"`` (a worker's GPU pool, what ``overlap`` reports), and
+the slower ``"host"``, ``"disk"`` and ``"cache_tier"`` (what ``tier_overlap`` reports, i.e.
+``ClusterView.remote_overlap``).
 
 Invariants:
 - An entry is one ``(hash, worker, tier)``. ``_lru`` (global recency order), ``_blocks[worker][tier]`` (the
@@ -119,6 +120,10 @@ class KVIndex:
         """Seq of the last event applied (or snapshot) for the worker; None when it is not known."""
         w = self._workers.get(worker_id)
         return None if w is None else w.last_seq
+
+    def worker_ids(self) -> list[str]:
+        """Every worker the index holds state for (entries, a sequence number or a resync flag)."""
+        return list(self._workers)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a dead worker: its entries, its sequence number and its slot (no-op when unknown)."""

@@ -1,8 +1,8 @@
-"""Runs router + prefill + decode services in-process (one event loop, real NATS) on a tiny float64 model."""
+"""Runs router + prefill + decode services in-process (one event loop, real NATS) on a tiny float64 model,
+plus the small helpers the integration tests share (fault injection, polling, one-shot requests)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
@@ -11,12 +11,15 @@ from shared.config import RouterConfig, WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from services.client import generate
+from shared import protocol
+from tests.integration.conftest import connect
 
 
 def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerConfig:
     return WorkerConfig(role=role, nats_url=url, worker_id=worker_id, model=str(folder), dtype="float64",
                         kv_cache_mb=kw.pop("kv_cache_mb", 8), block_size=8, heartbeat_s=0.2, threads=1,
-                        max_num_batched_tokens=64, **kw)
+                        max_num_batched_tokens=64, drain_grace_s=kw.pop("drain_grace_s", 2.0), **kw)
 
 
 class InProcessCluster:
@@ -44,13 +47,8 @@ class InProcessCluster:
 
     async def __aexit__(self, *exc) -> None:
         for w in self.workers:
-            await w.runtime.stop()
-            await w.kv_events.stop()
-            for t in w.transports.values():
-                with contextlib.suppress(Exception):
-                    await t.close()
-            await w.aengine.stop()
-        await self.router.runtime.stop()
+            await w.shutdown()
+        await self.router.shutdown()
 
 
 def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -59,3 +57,46 @@ def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list
                                                            enable_prefix_caching=False))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [engine.generate([p], params)[0] for p in prompts]
+
+
+def all_blocks_free(cluster) -> bool:
+    return all(not w.engine.requests and not w.engine.held and
+               w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks
+               for w in cluster.workers)
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+async def generate_once(url: str, req: protocol.GenerateRequest):
+    """One request on a fresh client connection: ``(token ids, text, usage)``."""
+    nc = await connect(url)
+    try:
+        return await generate(nc, req)
+    finally:
+        await nc.close()
+
+
+def fault_first_call(monkeypatch, targets, name: str, fault) -> list:
+    """Fault injection: the first call of ``name`` on any of ``targets`` runs ``await fault(target)`` instead;
+    later calls go to the real method. Returns the list the faulted target is appended to."""
+    hit: list = []
+
+    def wrap(target):
+        real = getattr(target, name)
+
+        async def call(*args, **kwargs):
+            if hit:
+                return await real(*args, **kwargs)
+            hit.append(target)
+            return await fault(target)
+        monkeypatch.setattr(target, name, call)
+
+    for target in targets:
+        wrap(target)
+    return hit

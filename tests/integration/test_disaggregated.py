@@ -10,9 +10,10 @@ import pytest
 from services.client import generate, generate_stream
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.transport import available_transports
+from shared.kv.registry import available_transports
 from tests.integration.conftest import connect
-from tests.integration.services_harness import InProcessCluster, reference_outputs
+from tests.integration.services_harness import (InProcessCluster, all_blocks_free, fault_first_call, generate_once,
+                                                reference_outputs, wait_until)
 from tests.model_factory import write_tiny_hf_folder
 
 MAX_TOKENS = 10
@@ -112,18 +113,6 @@ async def test_bad_input_gets_error_codes_and_service_stays_up(nats_server, fold
             await nc.close()
 
 
-def all_blocks_free(cluster) -> bool:
-    return all(not w.engine.requests and not w.engine.held and
-               w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks
-               for w in cluster.workers)
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> bool:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()
 
 
 async def test_client_cancel_stops_the_work_and_frees_blocks(nats_server, folder):
@@ -165,33 +154,6 @@ async def test_failed_handoff_fails_cleanly_and_frees_both_sides(nats_server, fo
             await nc.close()
 
 
-async def generate_once(url: str, req: protocol.GenerateRequest):
-    """One request on a fresh client connection: ``(token ids, text, usage)``."""
-    nc = await connect(url)
-    try:
-        return await generate(nc, req)
-    finally:
-        await nc.close()
-
-
-def fault_first_call(monkeypatch, targets, name: str, fault) -> list:
-    """Fault injection: the first call of ``name`` on any of ``targets`` runs ``await fault(target)`` instead;
-    later calls go to the real method. Returns the list the faulted target is appended to."""
-    hit: list = []
-
-    def wrap(target):
-        real = getattr(target, name)
-
-        async def call(*args, **kwargs):
-            if hit:
-                return await real(*args, **kwargs)
-            hit.append(target)
-            return await fault(target)
-        monkeypatch.setattr(target, name, call)
-
-    for target in targets:
-        wrap(target)
-    return hit
 
 
 async def test_failed_handoff_fails_over_to_another_pair(nats_server, folder, monkeypatch):
@@ -221,7 +183,7 @@ async def test_prefill_worker_dying_before_the_handoff_fails_over(nats_server, f
         async def die(transport):  # heartbeats stop, and the hand-off never happens
             worker = next(w for w in cluster.workers if w.transports["shm"] is transport)
             for task in worker.runtime._background:
-                if task.get_coro().__name__ == "_heartbeat":
+                if task.get_coro().__name__ == "_heartbeat_loop":
                     task.cancel()
             await asyncio.Event().wait()
 

@@ -66,3 +66,28 @@ def test_wrong_shape_is_rejected():
     with pytest.raises(DeepinferError) as err:
         import_prefilled(engine(model), "x", list(range(1, 30)), first, PARAMS, kv)
     assert err.value.code == ErrorCode.TRANSFER_FAILED
+
+
+def test_first_token_outside_the_vocabulary_is_rejected_before_admission():
+    model = tiny_model(seed=11)
+    first, kv = prefill(model, list(range(1, 20)))
+    dst = engine(model)
+    for bad in (model.config.vocab_size, -1):
+        with pytest.raises(DeepinferError) as err:
+            dst.import_prefilled("x", list(range(1, 20)), bad, PARAMS, kv)
+        assert err.value.code == ErrorCode.INVALID_REQUEST and "first_token" in err.value.message
+    assert not dst.requests and dst.block_manager.num_free_blocks == dst.block_manager.num_blocks
+
+
+def test_check_handoff_compares_shape_and_dtype_with_this_engine():
+    model = tiny_model(seed=11)
+    dst = engine(model)
+    prompt = list(range(1, 20))  # 3 blocks of 8
+    shape = [3, *dst.kv_cache.shape[1:]]
+    dtype = str(dst.kv_cache.dtype).removeprefix("torch.")
+    dst.check_handoff(prompt, 5, PARAMS, shape, dtype)
+    for bad_shape, bad_dtype in (([2, *shape[1:]], dtype), ([3, *shape[1:-1], shape[-1] * 2], dtype),
+                                 (shape, "float16" if dtype != "float16" else "float32")):
+        with pytest.raises(DeepinferError) as err:
+            dst.check_handoff(prompt, 5, PARAMS, bad_shape, bad_dtype)
+        assert err.value.code == ErrorCode.TRANSFER_FAILED

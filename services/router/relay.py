@@ -1,0 +1,192 @@
+"""Serving one client stream: place, dispatch, relay chunks, fail over.
+
+Per request: pick a decode worker and (unless the policy prefills locally) a prefill worker and a KV
+transport; dispatch; relay the workers' token chunks to the client's reply subject with one gap-free ``seq``;
+enforce the request's deadline. An attempt that fails for a reason another placement can fix raises
+``AttemptFailed`` (retryable by construction) naming the workers to avoid: a worker that did not accept
+(no responders, dispatch timeout, ``unavailable``/``overloaded`` reply, e.g. a draining worker), a worker that
+stops heartbeating, or a worker that reports its partner lost, a failed hand-off, or hands the stream back
+while draining. The stream is then re-placed with prompt + the tokens already delivered, up to
+``max_failovers`` times, so the client sees one stream with no gap or duplicate (greedy output is exactly the
+uninterrupted one; a sampled continuation draws afresh from the same distribution). Every other error ends
+the stream with that error.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+from shared import protocol, subjects
+from shared.errors import DeepinferError, ErrorCode
+from shared.wire_fields import MAX_ID_LEN
+from services.router.placement import Placer
+from services.router.workers import InflightAccount, WorkerState, WorkerTable
+
+logger = logging.getLogger(__name__)
+
+# codes after which another placement may succeed (the failed workers are avoided)
+RETRYABLE_CODES = frozenset(c.value for c in (ErrorCode.WORKER_LOST, ErrorCode.TRANSFER_FAILED,
+                                               ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED))
+
+
+class AttemptFailed(DeepinferError):
+    """An attempt failed because of ``workers`` in a way another placement may not: retry elsewhere."""
+
+    def __init__(self, code: ErrorCode, message: str, workers: set[str]) -> None:
+        super().__init__(code, message)
+        self.workers = workers
+
+
+@dataclasses.dataclass(slots=True)
+class Stream:
+    """One client stream across failover attempts: what the client has received so far."""
+    rid: str
+    client: str
+    prompt_len: int
+    deadline: float
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+    next_seq: int = 0  # seq of the next chunk to the client
+    delivered: list[int] = dataclasses.field(default_factory=list)
+    ended: bool = False
+    failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
+
+
+class Relay:
+    """Serves streams for the router: ``serve(req, prompt, stream)`` returns once the client got its final
+    chunk, or raises the error that ends the stream (the caller publishes it as the final chunk)."""
+
+    def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
+                 max_failovers: int) -> None:
+        self.nc, self.placer, self.table = nc, placer, table
+        self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
+
+    async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._attempt(req, prompt, stream, attempt)
+                return
+            except AttemptFailed as err:
+                if stream.ended or attempt >= self.max_failovers or stream.deadline <= time.monotonic():
+                    raise
+                attempt += 1
+                stream.failed_workers.update(err.workers)
+                logger.warning("[%s] %s; re-placing with %d tokens delivered (failover %d)", stream.rid,
+                               err.message, len(stream.delivered), attempt)
+
+    async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream,
+                       attempt: int) -> None:
+        """Place and run the request once, continuing after the tokens ``stream`` already delivered."""
+        params = req.sampling_params()
+        if stream.delivered:
+            left = params.max_tokens - len(stream.delivered)
+            if left <= 0:  # the worker died between the last token and the final chunk
+                await self.forward(stream, protocol.TokenChunk(
+                    request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
+                    usage={"prompt_tokens": stream.prompt_len, "completion_tokens": len(stream.delivered),
+                           "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}))
+                return
+            params = dataclasses.replace(params, max_tokens=left,
+                                         min_tokens=max(0, params.min_tokens - len(stream.delivered)))
+            prompt = prompt + stream.delivered
+        # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
+        # the router itself listens to for clients) must not cancel the client's request
+        work_id = attempt_id(stream.rid, attempt)
+        prefill_w, decode_w, transport = self.placer.place(work_id, prompt, params.max_tokens, req.cache_salt,
+                                                           req.prefill_mode, req.transport,
+                                                           exclude=stream.failed_workers)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
+        account = InflightAccount(prefill_w, decode_w, len(prompt))
+        finished = False
+        try:
+            sampling = protocol.sampling_to_dict(params)
+            deadline_s = stream.deadline - time.monotonic()
+            if prefill_w is not None:
+                target = prefill_w
+                work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
+                                               decode_worker=decode_w.report.worker_id, transport=transport,
+                                               reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
+            else:
+                target = decode_w
+                work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
+                                                   reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
+            await self._dispatch(target, work)
+            finished = await self._relay(sub, stream, prefill_w, decode_w, account.prefill_done, attempt)
+        finally:
+            account.close()
+            await sub.unsubscribe()
+            if not finished:  # stop whatever the workers are still doing for this attempt
+                await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=work_id)))
+
+    async def _dispatch(self, worker: WorkerState, work) -> None:
+        """Send ``work`` to ``worker`` and wait for its Ack; a worker that does not accept is retryable."""
+        wid = worker.report.worker_id
+        subject = subjects.prefill(wid) if isinstance(work, protocol.PrefillRequest) else subjects.decode(wid)
+        try:
+            reply = await self.nc.request(subject, protocol.encode(work), timeout=self.dispatch_timeout_s)
+        except Exception as err:  # timeout, no responders, connection loss
+            raise AttemptFailed(ErrorCode.UNAVAILABLE, f"worker {wid} did not accept: {err!r}", {wid}) from None
+        answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
+        if isinstance(answer, protocol.ErrorReply):
+            err = answer.to_exception()
+            if err.code.value in RETRYABLE_CODES:
+                raise AttemptFailed(err.code, f"worker {wid} refused: {err.message}", {wid})
+            raise err
+
+    async def _relay(self, sub, stream: Stream, prefill_w, decode_w, on_first_token, attempt: int) -> bool:
+        """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
+        Raises ``AttemptFailed`` when a worker this attempt still depends on stops heartbeating."""
+        chunks, got_token = 0, False
+        workers = {w.report.worker_id for w in (prefill_w, decode_w) if w is not None}
+        while True:
+            remaining = stream.deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeepinferError(ErrorCode.TIMEOUT, "request timed out")
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                # the prefill worker matters until the decode worker's first chunk: after its own first token it
+                # still stages and hands off the KV
+                watched = [decode_w] + ([prefill_w] if prefill_w is not None and chunks <= 1 else [])
+                for w in watched:
+                    if not self.table.is_alive(w.report.worker_id):
+                        raise AttemptFailed(ErrorCode.WORKER_LOST, f"worker {w.report.worker_id} stopped "
+                                            "responding", {w.report.worker_id}) from None
+                continue
+            chunk = protocol.decode(msg.data, protocol.TokenChunk)
+            chunks += 1
+            if chunk.token_ids and not got_token:
+                got_token = True
+                on_first_token()
+                if stream.ttft_s is None:
+                    stream.ttft_s = time.monotonic() - stream.t0
+            if chunk.error is not None and chunk.error.get("code") in RETRYABLE_CODES:
+                # partner lost, hand-off failed, handed back by a draining worker: another pair may serve it
+                raise AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""), workers)
+            usage = chunk.usage
+            if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
+                usage = {**usage, "prompt_tokens": stream.prompt_len,
+                         "completion_tokens": len(stream.delivered) + len(chunk.token_ids),
+                         "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}
+            await self.forward(stream, dataclasses.replace(chunk, usage=usage))
+            if chunk.final:
+                return chunk.error is None
+
+    async def forward(self, stream: Stream, chunk: protocol.TokenChunk) -> None:
+        """Publish ``chunk`` to the client under the stream's id and next seq; remember delivered tokens."""
+        out = dataclasses.replace(chunk, request_id=stream.rid, seq=stream.next_seq)
+        await self.nc.publish(stream.client, protocol.encode(out))
+        stream.next_seq += 1
+        stream.delivered.extend(chunk.token_ids)
+        stream.ended = chunk.final
+
+
+def attempt_id(rid: str, attempt: int) -> str:
+    """The workers' id for failover attempt ``attempt`` of client request ``rid`` (unique, bounded length)."""
+    suffix = f"~{attempt}"
+    return rid + suffix if len(rid) + len(suffix) <= MAX_ID_LEN else uuid.uuid4().hex + suffix

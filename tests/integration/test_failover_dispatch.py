@@ -1,0 +1,99 @@
+"""Failover when a worker does not accept, and when a worker drains: the client never sees it."""
+import asyncio
+import time
+
+import pytest
+
+from services.router.relay import AttemptFailed
+from shared import protocol, subjects
+from shared.errors import ErrorCode
+from tests.integration.conftest import connect
+from tests.integration.services_harness import InProcessCluster, generate_once, reference_outputs, wait_until
+from tests.model_factory import write_tiny_hf_folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=2048)
+
+
+def request(prompt, max_tokens=10, **kw) -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=True, timeout_s=60.0, **kw)
+
+
+async def ghost_heartbeats(url: str, report: protocol.LoadReport, stop: asyncio.Event) -> None:
+    """Heartbeats of a worker that subscribes to nothing: the most attractive worker, and it never accepts."""
+    nc = await connect(url)
+    try:
+        while not stop.is_set():
+            await nc.publish(subjects.load(report.worker_id), protocol.encode(report))
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_worker_without_responder_is_failed_over(nats_server, folder, role):
+    """The policy's first choice is a worker with no responder on its subject (NoResponders): the router
+    re-places the request on a live worker instead of answering `unavailable` (the old rule did)."""
+    prompt = list(range(3, 40))
+    expected = reference_outputs(folder, [prompt], 10)[0]
+    async with InProcessCluster(nats_server.url, folder, transports="shm") as cluster:
+        real = next(w for w in cluster.workers if w.config.role == role)
+        ghost = protocol.LoadReport(worker_id="a-ghost", role=role, model_id=real.engine.model.config.model_id,
+                                    num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=10**6,
+                                    num_total_blocks=10**6, block_size=8, transports=["shm"],
+                                    host=real.runtime.info.host, timestamp=time.time())
+        stop = asyncio.Event()
+        beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost, stop))
+        try:
+            assert await wait_until(lambda: cluster.router.table.is_alive("a-ghost"))
+            mode = "local" if role == "decode" else "remote"
+            ids, _, usage = await generate_once(nats_server.url, request(prompt, prefill_mode=mode))
+        finally:
+            stop.set()
+            await beating
+    assert ids == expected
+    assert usage["failovers"] == 1
+
+
+async def test_refusals_are_retryable_and_bad_input_is_not(nats_server, folder):
+    """A draining worker's `unavailable` refusal is retryable (the router avoids it); `invalid_request` is not."""
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1) as cluster:
+        relay, worker = cluster.router.relay, cluster.router.table.workers["decode-0"]
+        work = protocol.DecodeLocalRequest(request_id="r~0", prompt_token_ids=[5, 6, 7],
+                                           sampling={"max_tokens": 2, "temperature": 0.0}, reply_to="_INBOX.x")
+        cluster.workers[0].runtime.draining = True  # refuses new work (as after withdraw)
+        with pytest.raises(AttemptFailed) as refused:
+            await relay._dispatch(worker, work)
+        assert refused.value.code == ErrorCode.UNAVAILABLE and refused.value.workers == {"decode-0"}
+        cluster.workers[0].runtime.draining = False
+        bad = protocol.DecodeLocalRequest(request_id="r~1", prompt_token_ids=[10**6], reply_to="_INBOX.x",
+                                          sampling={"max_tokens": 2})
+        with pytest.raises(Exception) as invalid:
+            await relay._dispatch(worker, bad)
+        assert not isinstance(invalid.value, AttemptFailed) and invalid.value.code == ErrorCode.INVALID_REQUEST
+
+
+async def test_draining_decode_worker_hands_back_its_streams(nats_server, folder):
+    """SIGTERM-style drain of a decode worker with long streams running: it withdraws (nothing new placed
+    there), the grace period ends, and every stream is handed back and continued on the other decode worker:
+    each client gets its whole stream, token for token the uninterrupted output."""
+    prompts = [[5 + i, 6, 7, 8] * 6 for i in range(4)]
+    expected = reference_outputs(folder, prompts, 300)
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.3) as cluster:
+        tasks = [asyncio.create_task(generate_once(nats_server.url, request(p, 300, prefill_mode="local")))
+                 for p in prompts]
+        victim = cluster.workers[0]
+        assert await wait_until(lambda: len(victim.active) > 0)
+        await asyncio.sleep(0.3)  # tokens are flowing
+        await victim.shutdown()
+        assert victim.runtime.draining and not victim.active
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        survivor = cluster.router.table.workers["decode-1"]
+        assert survivor.report.draining is False
+    for (ids, _, usage), want in zip(results, expected):
+        assert ids == want
+        assert usage["completion_tokens"] == 300
+    assert any(usage["failovers"] for _, _, usage in results), "some streams were on the drained worker"

@@ -1,0 +1,147 @@
+"""The router's tables without a server: worker liveness, draining and pruning; transport choice; in-flight
+accounting; the bounded sweep of the KV index; KV-event coalescing and requeue on publish failure."""
+import time
+
+import pytest
+
+from services.kv_events import KVEventPublisher, _coalesce
+from services.router.service import RouterService
+from services.router.workers import InflightAccount, WorkerTable, choose_transport
+from shared import protocol
+from shared.config import RouterConfig
+from shared.errors import DeepinferError, ErrorCode
+
+
+def report(wid: str, role: str = "decode", host: str = "h1", transports=("shm", "stream"), **kw):
+    fields = dict(worker_id=wid, role=role, model_id="m", num_running=0, num_waiting=0, kv_usage=0.0,
+                  num_free_blocks=10, num_total_blocks=10, block_size=16, transports=list(transports), host=host,
+                  timestamp=0.0)
+    return protocol.LoadReport(**{**fields, **kw})
+
+
+def test_alive_excludes_draining_but_streams_still_see_them_alive():
+    table = WorkerTable(dead_after_s=3.0)
+    table.update(report("d0"), now=0.0)
+    table.update(report("d1", draining=True), now=0.0)
+    assert [s.report.worker_id for s in table.alive("decode", now=1.0)] == ["d0"]
+    assert table.is_alive("d1", now=1.0)  # its running streams are still watched as alive
+    assert not table.is_alive("d0", now=3.0)
+
+
+def test_prune_forgets_workers_dead_past_forget_after():
+    table = WorkerTable(dead_after_s=1.0, forget_after_s=5.0)
+    for i in range(100):  # restarts under fresh random ids
+        table.update(report(f"decode-{i}"), now=float(i) * 0.1)
+    table.update(report("alive"), now=14.0)
+    gone = table.prune(now=15.0)
+    assert len(gone) == 100 and list(table.workers) == ["alive"]
+    assert table.prune(now=15.0) == []
+
+
+def test_choose_transport():
+    same = report("p", role="prefill", transports=("cuda_ipc", "shm", "stream"))
+    assert choose_transport(same, report("d", transports=("shm", "stream"))) == "shm"
+    assert choose_transport(same, report("d", host="h2", transports=("shm", "stream"))) == "stream"
+    assert choose_transport(same, report("d", host="h2", transports=("shm",))) is None
+    assert choose_transport(same, report("d", transports=("shm", "stream")), forced="stream") == "stream"
+    assert choose_transport(same, report("d", transports=("shm",)), forced="nixl") is None
+
+
+def test_inflight_account_counts_until_first_token_and_close():
+    table = WorkerTable(3.0)
+    table.update(report("p", role="prefill"), now=0.0)
+    table.update(report("d"), now=0.0)
+    p, d = table.workers["p"], table.workers["d"]
+    account = InflightAccount(p, d, 100)
+    assert (p.inflight, d.inflight, p.inflight_tokens, d.inflight_tokens) == (1, 1, 100, 0)
+    account.prefill_done()
+    account.prefill_done()
+    assert p.inflight_tokens == 0 and p.inflight == 1
+    account.close()
+    account.close()
+    assert (p.inflight, d.inflight, p.inflight_tokens) == (0, 0, 0)
+    local = InflightAccount(None, d, 40)  # local prefill: the decode worker computes the prompt
+    assert d.inflight_tokens == 40
+    local.close()
+    assert d.inflight_tokens == 0 and d.inflight == 0
+
+
+def event(wid: str, seq: int, hashes=(1, 2)) -> protocol.KVEvent:
+    return protocol.KVEvent(worker_id=wid, seq=seq, kind="stored", block_hashes=list(hashes))
+
+
+def test_sweep_bounds_the_index_and_table():
+    router = RouterService(RouterConfig(worker_dead_after_s=1.0))
+    router.table.update(report("d0"), now=time.monotonic() - 2.0)  # silent for 2 s: dead, not yet forgotten
+    router.index.apply(event("d0", 1))
+    router.index.apply(event("ghost", 1))  # known only from events, never heartbeated
+    router.sweep()
+    assert "d0" not in router.index.worker_ids()  # dead: dropped at once
+    assert "ghost" in router.index.worker_ids()  # may heartbeat soon: one sweep of grace
+    router.sweep()
+    assert router.index.worker_ids() == []
+    assert "d0" in router.table.workers
+    router.table.workers["d0"].last_seen -= 100.0
+    router.index.apply(event("d0", 2))
+    router.sweep()
+    assert router.table.workers == {} and router.index.worker_ids() == []
+
+
+def test_kv_event_tier_is_a_closed_set():
+    with pytest.raises(DeepinferError) as err:
+        protocol.KVEvent(worker_id="w", seq=1, kind="stored", block_hashes=[1], tier="gpu-ish")
+    assert err.value.code == ErrorCode.INVALID_REQUEST and "tier" in err.value.message
+    for tier in protocol.KV_TIERS:
+        protocol.KVEvent(worker_id="w", seq=1, kind="stored", block_hashes=[1], tier=tier)
+
+
+def test_coalesce_merges_runs_of_one_kind_and_splits_big_ones():
+    batch = [("stored", [1]), ("stored", [2, 3]), ("removed", [1]), ("cleared", []), ("cleared", []),
+             ("stored", list(range(10)))]
+    assert list(_coalesce(batch, max_hashes=4)) == [
+        ("stored", [1, 2, 3]), ("removed", [1]), ("cleared", []), ("cleared", []),
+        ("stored", list(range(10)))]
+    assert list(_coalesce([("stored", [1, 2, 3]), ("stored", [4, 5])], max_hashes=4)) == [
+        ("stored", [1, 2, 3]), ("stored", [4, 5])]
+
+
+class FlakyNats:
+    """Fault injection: the first ``failures`` publishes raise, later ones are recorded."""
+
+    def __init__(self, failures: int, during_failure=None) -> None:
+        self.failures, self.sent, self.during_failure = failures, [], during_failure
+
+    async def publish(self, subject, data):
+        if self.failures:
+            self.failures -= 1
+            if self.during_failure is not None:
+                self.during_failure()
+            raise ConnectionError("injected: nats down")
+        self.sent.append(protocol.decode(data, protocol.KVEvent))
+
+
+async def test_kv_event_publish_failure_keeps_the_batch():
+    nc = FlakyNats(failures=1)
+    pub = KVEventPublisher(nc, "w", snapshot_fn=None)
+    pub.sink("stored", [1, 2])
+    pub.sink("removed", [1])
+    with pytest.raises(ConnectionError):
+        await pub.flush()
+    assert pub.seq == 0  # nothing went out
+    pub.sink("stored", [3])
+    await pub.flush()
+    assert [(e.seq, e.kind, e.block_hashes) for e in nc.sent] == [
+        (1, "stored", [1, 2]), (2, "removed", [1]), (3, "stored", [3])]
+
+
+async def test_kv_event_requeue_overflow_forces_a_resync_gap():
+    nc = FlakyNats(failures=1)
+    pub = KVEventPublisher(nc, "w", snapshot_fn=None, max_pending=2)
+    nc.during_failure = lambda: (pub.sink("stored", [2]), pub.sink("stored", [3]))  # the engine goes on
+    pub.sink("stored", [1])
+    pub.sink("removed", [1])
+    with pytest.raises(ConnectionError):
+        await pub.flush()  # requeueing 2 events next to 2 new ones would overflow max_pending=2
+    pub.sink("stored", [4])
+    await pub.flush()
+    assert [(e.seq, e.block_hashes) for e in nc.sent] == [(2, [4])]  # seq 1 skipped: the index resyncs

@@ -73,13 +73,17 @@ class Cluster:
         if not self.nats_url:
             self.server = start_embedded_server()
             self.nats_url = self.server.url
-        self._spawn("router", "services.router", ["--nats-url", self.nats_url, "--worker-id", "router",
-                                                  "--local-prefill-threshold", str(s.local_prefill_threshold),
-                                                  "--policy", s.policy, "--ttft-slo-s", str(s.ttft_slo_s),
-                                                  *(["--model", s.model] if s.model else [])], 1)
+        self._spawn("router", "services.router", self.router_args(), 1)
         names = ["router"] + [self.spawn_worker("prefill", i) for i in range(s.prefill)] + \
             [self.spawn_worker("decode", i) for i in range(s.decode)]
         await self.wait_healthy(names, s.start_timeout_s)
+
+    def router_args(self) -> list[str]:
+        """The router's command line (flags of ``RouterConfig``)."""
+        s = self.spec
+        return ["--nats-url", self.nats_url, "--worker-id", "router",
+                "--local-prefill-threshold", str(s.local_prefill_threshold), "--policy", s.policy,
+                "--ttft-slo-s", str(s.ttft_slo_s), *(["--model", s.model] if s.model else [])]
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
         nc = await connect(self.nats_url, "launcher")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine import kv_cache
-from shared.engine.attention import AttentionMetadata, PrefillChunk
+from shared.model import kv_cache
+from shared.model.attention import AttentionMetadata, PrefillChunk
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
 

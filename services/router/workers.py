@@ -4,8 +4,7 @@ A worker is alive while its last heartbeat is younger than ``dead_after_s``; new
 alive workers that are not draining (a draining worker is still alive: the streams it finishes are watched
 as usual). An entry dead for longer than ``forget_after_s`` is dropped by ``prune`` (restarted workers come
 back under new ids, so the table would otherwise grow forever). Placement itself is the
-policy's (``shared/sched/policies.py`` via ``services/router/placement.py``); ``pick_prefill`` only serves
-requests that force remote prefill when the policy chose local. Ties break by worker id.
+policy's (``shared/sched/`` via ``services/router/placement.py``).
 """
 from __future__ import annotations
 
@@ -56,21 +55,6 @@ class WorkerTable:
             del self.workers[wid]
         return gone
 
-    def pick_prefill(self, candidates: list[WorkerState] | None = None) -> WorkerState | None:
-        """The least-loaded prefill worker among ``candidates`` (default: every alive one)."""
-        return min(self.alive("prefill") if candidates is None else candidates, default=None,
-                   key=lambda s: (s.report.num_waiting + s.report.num_running + s.inflight, s.report.worker_id))
-
-
-def choose_transport(prefill: protocol.LoadReport, decode: protocol.LoadReport, forced: str = "") -> str | None:
-    """The KV transport for a worker pair: the forced one if both offer it; else shared memory on one host,
-    else the first transport both offer (in the prefill worker's preference order)."""
-    common = [t for t in prefill.transports if t in decode.transports]
-    if forced:
-        return forced if forced in common else None
-    if prefill.host != decode.host:
-        common = [t for t in common if t not in ("shm", "cuda_ipc")]
-    return common[0] if common else None
 
 
 class InflightAccount:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.engine.attention import AttentionMetadata, PrefillChunk
+from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cpu_paged_attention
-from shared.engine import kv_cache
+from shared.model import kv_cache
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampler import sample
 from shared.engine.scheduler import SchedulerOutput
@@ -24,7 +24,7 @@ class ModelRunner:
         self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
-        # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/engine/kv_cache.py)
+        # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/model/kv_cache.py)
         self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
                                           model.dtype, model.device)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention import AttentionMetadata, attend
-from shared.engine.kv_cache import layer_kv
+from shared.model.attention import AttentionMetadata, attend
+from shared.model.kv_cache import layer_kv
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.linear import linear, prepare_weight

@@ -138,6 +138,7 @@ class KvCost:
 
 class Predictive:
     name = "predictive"
+    decides_prefill_site = True  # weighs local prefill itself (shared/sched/placement.py defers to it)
 
     def __init__(self, local_prefill_tokens: int = 64, work_weight: float = 0.5) -> None:
         self.local_prefill_tokens = local_prefill_tokens

@@ -12,6 +12,7 @@ import inspect
 import math
 from collections import OrderedDict
 
+from shared.sched.placement import place_request
 from shared.sched.policies import make_policy
 from shared.sched.profiles import Profile, get_profile
 from shared.sched.sim_metrics import (Served, distinct_blocks, format_table, ideal_hit_rate, json_line,
@@ -74,7 +75,7 @@ class _Sim:
     def arrive(self, tr: TraceRequest) -> None:
         view = self.view(tr)
         info = RequestInfo(f"r{tr.idx}", tr.input_length, tr.hash_ids, tr.output_length, self.ttft_slo)
-        placed = self.policy.place(info, view)
+        placed = place_request(self.policy, info, view)
         if not isinstance(placed, Placement):
             self.rejected += 1
             return

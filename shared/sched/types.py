@@ -32,6 +32,8 @@ class WorkerView:
     num_free_blocks: int = 0
     num_total_blocks: int = 1
     block_size: int = 16
+    host: str = ""
+    transports: tuple[str, ...] = ("stream",)  # KV transports offered, in preference order
 
     @property
     def kv_usage(self) -> float:
@@ -71,12 +73,14 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """``prefill_worker`` None means: prefill on the decode worker itself (no disaggregation)."""
+    """``prefill_worker`` None means: prefill on the decode worker itself (no disaggregation); otherwise
+    ``transport`` (set by ``shared/sched/placement.place_request``) moves the KV between the two."""
 
     decode_worker: str
     prefill_worker: str | None
     predicted_ttft_s: float | None = None
     reason: str = ""
+    transport: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

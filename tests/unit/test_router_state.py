@@ -1,4 +1,4 @@
-"""The router's tables without a server: worker liveness, draining and pruning; transport choice; in-flight
+"""The router's tables without a server: worker liveness, draining and pruning; in-flight
 accounting; the bounded sweep of the KV index; KV-event coalescing and requeue on publish failure."""
 import time
 
@@ -6,7 +6,7 @@ import pytest
 
 from services.kv_events import KVEventPublisher, _coalesce
 from services.router.service import RouterService
-from services.router.workers import InflightAccount, WorkerTable, choose_transport
+from services.router.workers import InflightAccount, WorkerTable
 from shared import protocol
 from shared.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode
@@ -36,15 +36,6 @@ def test_prune_forgets_workers_dead_past_forget_after():
     gone = table.prune(now=15.0)
     assert len(gone) == 100 and list(table.workers) == ["alive"]
     assert table.prune(now=15.0) == []
-
-
-def test_choose_transport():
-    same = report("p", role="prefill", transports=("cuda_ipc", "shm", "stream"))
-    assert choose_transport(same, report("d", transports=("shm", "stream"))) == "shm"
-    assert choose_transport(same, report("d", host="h2", transports=("shm", "stream"))) == "stream"
-    assert choose_transport(same, report("d", host="h2", transports=("shm",))) is None
-    assert choose_transport(same, report("d", transports=("shm", "stream")), forced="stream") == "stream"
-    assert choose_transport(same, report("d", transports=("shm",)), forced="nixl") is None
 
 
 def test_inflight_account_counts_until_first_token_and_close():

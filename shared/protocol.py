@@ -17,16 +17,15 @@ from __future__ import annotations
 import math
 from typing import Any, TypeVar
 
-from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
+from shared.sampling_rules import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
 from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
-                                _check_worker, _require, sampling_from_dict, sampling_to_dict)
+                                _check_worker, _require)
 from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, decode,
                                     encode, registered_types, wire_field, wire_message)
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
-           "encode", "decode", "decode_reply", "error_headers", "sampling_to_dict", "sampling_from_dict",
-           "GenerateRequest", "TokenChunk", "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest",
+           "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk", "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest",
            "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
@@ -53,6 +52,28 @@ def _error(code: str, message: str) -> DeepinferError:
 
 
 # ---- messages ------------------------------------------------------------------------------------------
+
+@wire_message(MAX_CONTROL_BYTES)
+class Sampling(WireModel):
+    """A request's sampling parameters, nested in every internal message that carries a request. The router
+    builds it once from the client's request (``GenerateRequest.sampling()``); it travels unchanged through
+    prefill and hand-off; each engine turns it into its ``SamplingParams`` once. Rules:
+    ``shared/sampling_rules.py`` (the same ones the engine runs)."""
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def _check(self) -> None:
+        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                       top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                       min_tokens=self.min_tokens)
+
 
 @wire_message(MAX_REQUEST_BYTES)
 class GenerateRequest(WireModel):
@@ -91,14 +112,13 @@ class GenerateRequest(WireModel):
             _check_tokens("prompt_token_ids", self.prompt_token_ids)
         _require(0 < self.timeout_s <= 3600, f"field 'timeout_s': must be in (0, 3600], got {self.timeout_s}")
         _check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
-        self.sampling_params()
+        self.sampling()
 
-    def sampling_params(self) -> SamplingParams:
-        """The request's sampling parameters (validated: raises ``invalid_request``)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop=tuple(self.stop),
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              min_tokens=self.min_tokens)
+    def sampling(self) -> Sampling:
+        """The request's sampling parameters as the nested wire message (validated: ``invalid_request``)."""
+        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                        top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                        ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
 
 
 @wire_message(MAX_CHUNK_BYTES)
@@ -153,10 +173,6 @@ class _SamplingChecks:
         _check_id("cache_salt", self.cache_salt, allow_empty=True)
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         _check_subject("reply_to", self.reply_to)
-        sampling_from_dict(self.sampling)
-
-    def sampling_params(self) -> SamplingParams:
-        return sampling_from_dict(self.sampling)
 
 
 @wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
@@ -164,7 +180,7 @@ class PrefillRequest(WireModel, _SamplingChecks):
     """Router -> prefill worker: prefill, sample the first token, hand the KV to ``decode_worker``."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: dict[str, Any]
+    sampling: Sampling
     decode_worker: str
     transport: str
     reply_to: str                   # subject receiving TokenChunks
@@ -184,7 +200,7 @@ class KVHandoff(WireModel, _SamplingChecks):
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
     first_token: int
-    sampling: dict[str, Any]
+    sampling: Sampling
     reply_to: str
     cache_salt: str
     num_blocks: int
@@ -215,7 +231,7 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     """Router -> decode worker: prefill locally (conditional disaggregation), then decode."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: dict[str, Any]
+    sampling: Sampling
     reply_to: str
     cache_salt: str = ""
     deadline_s: float = 60.0

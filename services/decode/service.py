@@ -12,7 +12,7 @@ import logging
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import handle_meta
-from services.worker import Worker
+from services.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class DecodeService(Worker):
 
     async def on_message(self, msg) -> None:
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest))
-        params = protocol.sampling_from_dict(req.sampling)
+        params = sampling_params(req.sampling)
         rid, eng = req.request_id, self.engine
         handoff = isinstance(req, protocol.KVHandoff)
         if handoff:

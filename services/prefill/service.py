@@ -14,7 +14,7 @@ import time
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
-from services.worker import Worker
+from services.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class PrefillService(Worker):
 
     async def on_prefill(self, msg) -> None:
         req = protocol.decode(msg.data, protocol.PrefillRequest)
-        params = protocol.sampling_from_dict(req.sampling)
+        params = sampling_params(req.sampling)
         if req.transport not in self.transports:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
         self.engine.validate(req.prompt_token_ids, params)

@@ -81,7 +81,7 @@ class Relay:
     async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream,
                        attempt: int) -> None:
         """Place and run the request once, continuing after the tokens ``stream`` already delivered."""
-        params = req.sampling_params()
+        params = req.sampling()
         if stream.delivered:
             left = params.max_tokens - len(stream.delivered)
             if left <= 0:  # the worker died between the last token and the final chunk
@@ -104,16 +104,15 @@ class Relay:
         account = InflightAccount(prefill_w, decode_w, len(prompt))
         finished = False
         try:
-            sampling = protocol.sampling_to_dict(params)
             deadline_s = stream.deadline - time.monotonic()
             if prefill_w is not None:
                 target = prefill_w
-                work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
+                work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                decode_worker=decode_w.report.worker_id, transport=transport,
                                                reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
             else:
                 target = decode_w
-                work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=sampling,
+                work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                    reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
             await self._dispatch(target, work)
             finished = await self._relay(sub, stream, prefill_w, decode_w, account.prefill_done, attempt)

@@ -13,9 +13,10 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_validation import WireModel, build, wire_field
 
-SAMPLING = p.sampling_to_dict(SamplingParams(max_tokens=8, temperature=0.0, seed=3, stop=("\n",)))
+SAMPLING = p.Sampling(max_tokens=8, temperature=0.0, seed=3, stop=["\n"])
 
 SAMPLES = {
+    "Sampling": SAMPLING,
     "GenerateRequest": p.GenerateRequest(request_id="r1", model="m", prompt="hello", max_tokens=4, seed=7,
                                          stop=["x"], stop_token_ids=[2], prefill_mode="remote", transport="shm"),
     "TokenChunk": p.TokenChunk(request_id="r1", seq=3, token_ids=[5, 6], text="ab", final=True,
@@ -95,24 +96,38 @@ def test_int_accepted_for_float_and_stored_as_float():
     assert msg.kv_usage == 1.0 and type(msg.kv_usage) is float and type(msg.timestamp) is float
 
 
-def test_sampling_dict_round_trip_and_strictness():
-    sp = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=1, stop=("a", "b"),
-                        stop_token_ids=(7,), ignore_eos=True, min_tokens=2)
-    assert p.sampling_from_dict(p.sampling_to_dict(sp)) == sp
-    assert p.sampling_from_dict({}) == SamplingParams()
-    assert SAMPLES["PrefillRequest"].sampling_params().seed == 3
+def test_sampling_is_one_nested_typed_message():
+    msg = p.decode(p.encode(SAMPLES["KVHandoff"]))
+    assert isinstance(msg.sampling, p.Sampling) and msg.sampling == SAMPLING
+    assert p.PrefillRequest(**{**SAMPLES["PrefillRequest"].to_dict(), "sampling": {"seed": 3}}).sampling.seed == 3
     for bad in ({"bogus": 1}, {"max_tokens": True}, {"top_k": "3"}, {"temperature": -1.0}, [1],
-                {"max_tokens": 2, "min_tokens": 3}, {"min_tokens": -1}):
-        with pytest.raises(DeepinferError) as info:
-            p.sampling_from_dict(bad)
+                {"max_tokens": 2, "min_tokens": 3}, {"min_tokens": -1}, {"temperature": float("nan")},
+                {"stop": ["x"] * 17}, {"stop_token_ids": [-1]}):
+        with pytest.raises(DeepinferError, match="sampling") as info:
+            p.decode(body(SAMPLES["KVHandoff"], sampling=bad))
         assert info.value.code is ErrorCode.INVALID_REQUEST
-    with pytest.raises(DeepinferError, match="sampling"):
-        p.decode(body(SAMPLES["KVHandoff"], sampling={"max_tokens": "8"}))
 
 
-def test_generate_request_sampling_params():
-    sp = SAMPLES["GenerateRequest"].sampling_params()
-    assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids) == (4, 7, ("x",), (2,))
+def test_wire_and_engine_sampling_rules_agree():
+    """The same rules run on the wire and in the engine: what one accepts, the other accepts."""
+    for kwargs in ({"max_tokens": 5, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 1, "stop": ["a"],
+                    "stop_token_ids": [7], "ignore_eos": True, "min_tokens": 2}, {"top_p": 0.0}, {"seed": 2**63},
+                   {"top_k": -2}, {"stop": [""]}):
+        wire_ok = engine_ok = True
+        try:
+            p.Sampling(**kwargs)
+        except DeepinferError:
+            wire_ok = False
+        try:
+            SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
+        except DeepinferError:
+            engine_ok = False
+        assert wire_ok == engine_ok, kwargs
+
+
+def test_generate_request_sampling():
+    sp = SAMPLES["GenerateRequest"].sampling()
+    assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids) == (4, 7, ["x"], [2])
 
 
 # ---- rejections ------------------------------------------------------------------------------------------

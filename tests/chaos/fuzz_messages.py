@@ -1,0 +1,407 @@
+"""A deterministic generator of hostile NATS messages for every subject a client can reach.
+
+``Fuzzer(seed, ...).messages(n)`` yields ``FuzzMessage(subject, data, reply, kind)``; the same seed and
+arguments give the same sequence. Kinds: ``random_bytes``, ``truncated`` / ``garbled`` / ``trailing`` (a
+valid message's bytes cut, flipped or extended), ``msgpack_bombs`` (declared lengths far beyond the body,
+deep nesting, ext types), ``not_a_map``, ``bad_envelope`` (wrong or missing ``v`` / ``type``), ``mutated``
+(a real message type with one to three fields or nested values replaced by huge or negative ints, wrong
+types, NaN/inf, long strings, huge lists, extra or missing fields) and ``valid`` (well-formed, cheap).
+
+Invariant: whatever the mutation, a message that the cluster would accept as work is cheap (``bounded``):
+at most ``MAX_WORK_TOKENS`` new tokens (or, for a client request, a timeout of at most ``SHORT_TIMEOUT_S``
+that the router enforces) and a prompt either short or past the context window (rejected at once).
+Known bug avoided (``avoid_known_bugs``, default on; ``avoided`` counts them): a work message the cluster
+accepts whose ``reply_to`` (or ``stream`` handle ``subject``) is longer than nats-server's control line closes
+the worker's NATS connection for good (``test_fuzz.py::test_long_reply_subject_keeps_workers_connected``).
+
+Request ids come from a small pool (``fz-<k>``, and the workers' ``fz-<k>~<attempt>``) so duplicates, cancels
+of live requests and pulls of live ``stream`` transfers (``kvx.prefill-0-fz-<k>~0``) happen.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+
+from shared import protocol, subjects
+from shared.errors import DeepinferError
+
+MAX_WORK_TOKENS = 8
+SHORT_TIMEOUT_S = 1.5
+SHORT_PROMPT = 512
+ID_POOL = 48
+MAX_PAYLOAD = 8 * 1024 * 1024 - 4096  # the test server's max_payload, minus the protocol line
+LONG_SUBJECT_BYTES = 2048  # known bug: a worker publishing to a subject this long may exceed max_control_line
+
+HUGE_INTS = [2**31, 2**32 + 7, 2**53 + 1, 10**15, 2**63 - 1, 2**63, 2**64 - 1]
+NEGATIVE_INTS = [-1, -7, -2**31, -2**53, -2**63]
+ODD_FLOATS = [math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, -1.5]
+ITEM_BYTES = {"float64": 8, "float32": 4, "int64": 8, "int32": 4}
+WRONG_TYPES: list[Any] = ["", "x", "1", [], [1, 2], [["a"]], {}, {"a": 1}, {"": None}, True, False, None, 0.5,
+                          b"", b"\x00\xff", 0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FuzzMessage:
+    subject: str
+    data: bytes
+    reply: str | None
+    kind: str
+
+
+class Fuzzer:
+    """``workers``: the cluster's ids (router, prefill and decode); ``block_shape`` / ``dtype``: its KV layout
+    (one block); ``prompt_tokens(request)``: how many tokens the router makes of a text or chat prompt (without
+    it, text prompts over 100 characters count as costly)."""
+
+    def __init__(self, seed: int, *, workers: list[str], vocab: int, block_shape: list[int], dtype: str,
+                 max_model_len: int, prompt_tokens: Callable[[protocol.GenerateRequest], int] | None = None,
+                 avoid_known_bugs: bool = True) -> None:
+        self.rng = random.Random(seed)
+        self.workers = list(workers)
+        self.vocab, self.block_shape, self.dtype = vocab, list(block_shape), dtype
+        self.max_model_len = max_model_len
+        self.prompt_tokens = prompt_tokens
+        self.fake_workers = ["decode-7", "prefill-9", "ghost", "router-2", "x" * 128]
+        self.avoid_known_bugs = avoid_known_bugs
+        self.redraws = 0   # drawn messages replaced because they were costly work
+        self.avoided = 0   # ... or because they trigger a known bug
+        self._n = 0
+        self.subjects = self._subjects()
+
+    # ---- subjects ------------------------------------------------------------------------------------------
+    def _subjects(self) -> list[tuple[str, str]]:
+        """(subject, the message family it expects)."""
+        out = [(subjects.GENERATE, "generate"), (subjects.CANCEL, "cancel"), (subjects.KV_EVENTS, "kv_event")]
+        for w in self.workers:
+            out += [(subjects.load(w), "load"), (subjects.prefill(w), "prefill"), (subjects.decode(w), "decode"),
+                    (subjects.ctl(w, "kv_snapshot"), "ctl")]
+        prefillers = [w for w in self.workers if w.startswith("prefill")] or self.workers[:1]
+        for k in range(0, ID_POOL, 6):  # live `stream` transfers of the pool's ids, and ones that never exist
+            out.append((subjects.kv_pull(subjects.safe_token(f"{prefillers[0]}-fz-{k}~0")), "kvx"))
+        out += [(subjects.kv_pull("nobody-fz-1~0"), "kvx"), (subjects.kv_pull("x" * 128), "kvx")]
+        return out
+
+    # ---- small pieces --------------------------------------------------------------------------------------
+    def _rid(self) -> str:
+        r = self.rng.random()
+        k = self.rng.randrange(ID_POOL)
+        if r < 0.6:
+            return f"fz-{k}"
+        if r < 0.9:
+            return f"fz-{k}~{self.rng.randrange(3)}"
+        return self.rng.choice(["", "~", "a.b", "*", ">", " ", "x" * 300, "é\u202e", "\x00"])
+
+    def _inbox(self) -> str:
+        self._n += 1
+        return f"_INBOX.fz.{self._n}"
+
+    def _tokens(self, lo: int = 1, hi: int = 40) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(lo, hi))]
+
+    def _text(self, lo: int = 1, hi: int = 60) -> str:
+        alphabet = "abcdefgh ijklmnop.,!?\n\t<>{}|*~é中🙂\u200b"
+        return "".join(self.rng.choice(alphabet) for _ in range(self.rng.randint(lo, hi)))
+
+    def _sampling(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"max_tokens": self.rng.randint(1, 4), "temperature": self.rng.choice([0.0, 0.0, 0.8]),
+                             "ignore_eos": self.rng.random() < 0.5}
+        if self.rng.random() < 0.3:
+            d.update(top_k=self.rng.choice([0, 1, 5]), top_p=self.rng.choice([1.0, 0.9]), seed=self.rng.randrange(99))
+        if self.rng.random() < 0.2:
+            d.update(stop=["a"], stop_token_ids=[self.rng.randrange(self.vocab)], min_tokens=1)
+        return d
+
+    def _worker(self, role: str) -> str:
+        real = [w for w in self.workers if w.startswith(role)]
+        return self.rng.choice(real) if real and self.rng.random() < 0.8 else self.rng.choice(self.fake_workers)
+
+    def _handle(self, transport: str, num_blocks: int) -> dict[str, Any]:
+        shape = [num_blocks, *self.block_shape]
+        nbytes = math.prod(shape) * ITEM_BYTES.get(self.dtype, 2)
+        if transport == "stream":
+            k = self.rng.randrange(ID_POOL)
+            subject = subjects.kv_pull(subjects.safe_token(f"{self._worker('prefill')}-fz-{k}~0"))
+            return {"transport": "stream", "subject": subject, "chunk": 1 << 20, "chunks": -(-nbytes // (1 << 20)),
+                    "nbytes": nbytes, "dtype": self.dtype, "shape": shape}
+        return {"transport": transport, "segment": f"psm_fz{self.rng.randrange(1000)}",
+                "token": self.rng.randrange(1, 2**63),
+                "offset": 4096, "nbytes": nbytes, "dtype": self.dtype, "shape": shape}
+
+    # ---- valid bases, one per message type -----------------------------------------------------------------
+    def base(self, type_name: str) -> dict[str, Any]:
+        """A well-formed, cheap message of ``type_name`` as a dict (without ``v`` / ``type``)."""
+        rng = self.rng
+        if type_name == "GenerateRequest":
+            d: dict[str, Any] = {"request_id": self._rid() if rng.random() < 0.7 else "",
+                                 "max_tokens": rng.randint(1, 4), "temperature": rng.choice([0.0, 0.7]),
+                                 "timeout_s": rng.choice([1.0, 3.0, 5.0]), "ignore_eos": rng.random() < 0.5}
+            form = rng.randrange(3)
+            if form == 0:
+                d["prompt"] = self._text()
+            elif form == 1:
+                d["messages"] = [{"role": rng.choice(["user", "system", "assistant"]), "content": self._text()}
+                                 for _ in range(rng.randint(1, 3))]
+            else:
+                d["prompt_token_ids"] = self._tokens()
+            if rng.random() < 0.5:
+                d["prefill_mode"] = rng.choice(["auto", "remote", "local"])
+            if rng.random() < 0.5:
+                d["transport"] = rng.choice(["shm", "stream", "nixl", "cuda_ipc", "pigeon"])
+            if rng.random() < 0.2:
+                d.update(seed=rng.randrange(1000), top_k=rng.randrange(5), top_p=0.9, cache_salt="s",
+                         stop=["x"], stop_token_ids=[5], min_tokens=1,
+                         model=rng.choice(["", "default", "tiny-llama", "nope"]))
+            return d
+        if type_name in ("PrefillRequest", "DecodeLocalRequest", "KVHandoff"):
+            prompt = self._tokens(1, 60)
+            d = {"request_id": self._rid() or "fz-0", "prompt_token_ids": prompt, "sampling": self._sampling(),
+                 "reply_to": self._inbox(), "cache_salt": rng.choice(["", "", "salt"])}
+            if type_name == "PrefillRequest":
+                d.update(decode_worker=self._worker("decode"),
+                         transport=rng.choice(["shm", "stream", "stream", "nixl"]),
+                         deadline_s=rng.choice([0.0, 1.0, 3.0, -5.0]))
+            elif type_name == "DecodeLocalRequest":
+                d["deadline_s"] = rng.choice([1.0, 3.0, 60.0])
+            else:
+                transport = rng.choice(["shm", "stream"])
+                num_blocks = -(-len(prompt) // self.block_shape[3])
+                d.update(first_token=rng.randrange(self.vocab), num_blocks=num_blocks, block_shape=self.block_shape,
+                         dtype=self.dtype, transport=transport, handle=self._handle(transport, num_blocks),
+                         num_cached_tokens=0, ttft_ms=1.0, prefill_worker=self._worker("prefill"))
+            return d
+        if type_name == "CancelRequest":
+            return {"request_id": self._rid() or "fz-1"}
+        if type_name == "LoadReport":
+            wid = rng.choice(self.workers + self.fake_workers)
+            role = wid.split("-")[0] if wid.split("-")[0] in protocol.ROLES else rng.choice(protocol.ROLES)
+            return {"worker_id": wid, "role": role, "model_id": rng.choice(["tiny-llama", "", "other"]),
+                    "num_running": rng.randrange(5), "num_waiting": rng.randrange(5), "kv_usage": rng.random(),
+                    "num_free_blocks": rng.randrange(500), "num_total_blocks": 512, "block_size": 16,
+                    "transports": rng.choice([["shm", "stream"], ["stream"], [], ["pigeon"]]), "host": "fuzzhost",
+                    "timestamp": 1.0e9, "queued_prefill_tokens": rng.randrange(100),
+                    "kv_event_seq": rng.choice([0, 1, 5, 10**6])}
+        if type_name == "KVEvent":
+            return {"worker_id": rng.choice(self.workers + self.fake_workers),
+                    "seq": rng.choice([0, 1, 2, 3, 50, 10**9]),
+                    "kind": rng.choice(protocol.KV_EVENT_KINDS),
+                    "block_hashes": [rng.randrange(2**64) for _ in range(rng.randint(0, 20))],
+                    "tier": rng.choice(["device", "device", "host", "disk"])}
+        if type_name == "KVSnapshot":
+            return {"worker_id": rng.choice(self.workers), "seq": rng.randrange(10), "block_hashes": [1, 2, 3]}
+        if type_name == "TokenChunk":
+            return {"request_id": self._rid() or "fz-2", "seq": rng.randrange(3), "token_ids": [5], "text": "a",
+                    "final": True, "finish_reason": "stop", "usage": {"prompt_tokens": 1}}
+        if type_name == "WorkerInfo":
+            return {"worker_id": rng.choice(self.workers + self.fake_workers), "role": "decode",
+                    "model_id": "tiny-llama",
+                    "host": "h", "pid": 1, "transports": ["shm"], "block_size": 16, "started_at": 0.0}
+        if type_name == "ErrorReply":
+            return {"code": rng.choice(["internal", "worker_lost", "nope"]), "message": "fuzz"}
+        return {"ok": rng.random() < 0.5, "detail": "fuzz"}  # Ack
+
+    _FAMILIES = ["generate", "cancel", "kv_event", "load", "prefill", "decode", "ctl", "kvx"]
+    _FAMILY_WEIGHTS = [15, 8, 10, 12, 15, 15, 8, 10]
+    _FAMILY_TYPES = {"generate": ["GenerateRequest"], "cancel": ["CancelRequest"], "kv_event": ["KVEvent"],
+                     "load": ["LoadReport"], "prefill": ["PrefillRequest"],
+                     "decode": ["KVHandoff", "DecodeLocalRequest"], "ctl": ["KVSnapshot", "CancelRequest"],
+                     "kvx": ["Ack"]}
+
+    def _type_for(self, family: str) -> str:
+        if self.rng.random() < 0.8:
+            return self.rng.choice(self._FAMILY_TYPES[family])
+        return self.rng.choice(sorted(protocol.MESSAGE_TYPES))
+
+    # ---- mutations -----------------------------------------------------------------------------------------
+    def _long_string(self) -> str:
+        n = 1_000_000 if self.rng.random() < 0.02 else self.rng.choice([300, 5000, 70_000])
+        unit = self.rng.choice(["a", "é", "中", "🙂", ".", "*", ">", " ", "\x00", "x.y ", "\u202e"])
+        return unit * (n // len(unit))
+
+    def _huge_list(self) -> list:
+        n = 1_000_001 if self.rng.random() < 0.02 else self.rng.choice([1000, 10_000, 100_000])
+        item = self.rng.choice([0, 1, 2**64 - 1, -1, "a", None, 0.5, [], {}])
+        if n == 1_000_001 and item not in (0, 1, None):  # keep the biggest ones to a few MB
+            item = 0
+        if isinstance(item, int) and item == 2**64 - 1 and n > 100_000:
+            n = 100_000
+        return [item] * n
+
+    def _odd_value(self) -> Any:
+        r = self.rng.random()
+        if r < 0.2:
+            return self.rng.choice(HUGE_INTS)
+        if r < 0.35:
+            return self.rng.choice(NEGATIVE_INTS)
+        if r < 0.55:
+            return copy.deepcopy(self.rng.choice(WRONG_TYPES))  # never share (and later mutate) the pool's objects
+        if r < 0.7:
+            return self.rng.choice(ODD_FLOATS)
+        if r < 0.8:
+            return self._long_string()
+        if r < 0.87:
+            return self._huge_list()
+        if r < 0.95:
+            return {self._text(1, 8): copy.deepcopy(self.rng.choice(WRONG_TYPES + HUGE_INTS))
+                    for _ in range(self.rng.randint(1, 4))}
+        return [copy.deepcopy(self.rng.choice(WRONG_TYPES + HUGE_INTS + NEGATIVE_INTS))
+                for _ in range(self.rng.randint(1, 8))]
+
+    def _mutate(self, d: dict[str, Any]) -> None:
+        rng = self.rng
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            op = rng.random()
+            nested = [k for k, v in d.items()
+                      if isinstance(v, dict) or (isinstance(v, list) and 0 < len(v) <= 10 and isinstance(v[0], dict))]
+            if op < 0.55 and d:
+                d[rng.choice(sorted(d, key=repr))] = self._odd_value()
+            elif op < 0.7 and nested:
+                key = rng.choice(sorted(nested, key=repr))
+                inner = d[key] if isinstance(d[key], dict) else rng.choice([x for x in d[key] if isinstance(x, dict)])
+                if inner and rng.random() < 0.8:
+                    inner[rng.choice(sorted(inner, key=repr))] = self._odd_value()
+                else:
+                    key = rng.choice(["extra", "i", "max_tokens", "subject", "shape", "segment", "role"])
+                    inner[key] = self._odd_value()
+            elif op < 0.8:
+                key = rng.choice(["extra", "v2", "request_id ", "__class__", "_".join("abc"), "é", "x" * 300])
+                d[key] = self._odd_value()
+            elif op < 0.88 and d:
+                del d[rng.choice(sorted(d, key=repr))]
+            elif op < 0.94:
+                d[rng.choice([1, -1, b"bin", 2.5])] = "non-str key"  # strict_map_key rejects
+            else:
+                for k in sorted(d, key=repr):  # every int field at once
+                    if isinstance(d[k], int) and not isinstance(d[k], bool):
+                        d[k] = rng.choice(HUGE_INTS + NEGATIVE_INTS)
+
+    # ---- encodings -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _pack(d: dict[str, Any], type_name: str | None, v: Any = protocol.PROTOCOL_VERSION) -> bytes:
+        body = {"v": v, "type": type_name, **d} if type_name is not None else d
+        return msgpack.packb(body, use_bin_type=True)
+
+    def _bytes_kind(self, valid: bytes) -> tuple[bytes, str]:
+        rng = self.rng
+        r = rng.random()
+        if r < 0.2:
+            return rng.randbytes(rng.choice([0, 1, 2, 7, 64, 1000, 70_000])), "random_bytes"
+        if r < 0.4:
+            return valid[:rng.randrange(max(1, len(valid)))], "truncated"
+        if r < 0.6:
+            b = bytearray(valid)
+            for _ in range(rng.randint(1, 8)):
+                if b:
+                    b[rng.randrange(len(b))] = rng.randrange(256)
+            return bytes(b), "garbled"
+        if r < 0.7:
+            return valid + rng.choice([b"\x00", b"\xc1", msgpack.packb({"v": 1}), valid]), "trailing"
+        if r < 0.85:
+            bombs = [b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xffabc",
+                     b"\xc6\xff\xff\xff\xff", b"\x91" * 100_000 + b"\xc0", b"\x81\xa1v" * 5000 + b"\x01",
+                     b"\xd4\x01\x00", b"\xd6\xff" + struct.pack(">I", 0), b"\xc7\x00\x05", b"\xc1",
+                     b"\x81\x01\x02", b"\x81\xc0\x01", b"\xde\x00\x01\xa1v\x01"]
+            return rng.choice(bombs), "msgpack_bombs"
+        return msgpack.packb(rng.choice([None, 1, -1, "GenerateRequest", [1, 2], b"\x00", 1.5, True, []]),
+                             use_bin_type=True), "not_a_map"
+
+    def one(self) -> FuzzMessage:
+        """The next message (redrawn until it is bounded work and, with ``avoid_known_bugs``, no known bug)."""
+        while True:
+            msg = self._draw()
+            if not self.bounded(msg.data):
+                self.redraws += 1
+            elif self.avoid_known_bugs and self.known_bug(msg.data):
+                self.avoided += 1
+            else:
+                return msg
+
+    def _draw(self) -> FuzzMessage:
+        rng = self.rng
+        family = rng.choices(self._FAMILIES, self._FAMILY_WEIGHTS)[0]
+        subject = rng.choice([s for s, f in self.subjects if f == family])
+        r = rng.random()
+        reply = self._inbox() if r < 0.6 else None if r < 0.85 else rng.choice(
+            [subjects.GENERATE, subjects.CANCEL, subjects.KV_EVENTS, subjects.load("router"),
+             subjects.decode(self.workers[-1]), "_INBOX.x", "fz"])
+        if family == "kvx" and rng.random() < 0.7:  # a pull body: {"i": chunk}
+            i = rng.choice([0, 1, 2, -1, 2**63 - 1, "0", None, 0.5, math.nan, math.inf, [], {"j": 1}])
+            body = {"i": i} if rng.random() < 0.9 else {"j": 0}
+            data = msgpack.packb(body) if rng.random() < 0.8 else rng.randbytes(rng.randrange(20))
+            return FuzzMessage(subject, data, reply if rng.random() < 0.2 else self._inbox(), "kvx_pull")
+        if family == "ctl" and rng.random() < 0.5:
+            return FuzzMessage(subject, rng.choice([b"", b"\x00", rng.randbytes(100)]), reply, "ctl_body")
+        type_name = self._type_for(family)
+        d = self.base(type_name)
+        r = rng.random()
+        if r < 0.05:
+            return FuzzMessage(subject, self._pack(d, type_name), reply, "valid")
+        if r < 0.3:
+            valid = self._pack(d, type_name)
+            data, kind = self._bytes_kind(valid)
+            return FuzzMessage(subject, data, reply, kind)
+        if r < 0.4:
+            v = rng.choice([0, 2, -1, 2**64 - 1, "1", 1.0, True, None, [1], {"v": 1}])
+            t = rng.choice([type_name, "generaterequest", "", "Nope", None, 1, ["GenerateRequest"], "WireModel",
+                            "__init__", "x" * 1000])
+            body = {"type": t, **d} if rng.random() < 0.5 else {"v": v, **d}
+            if rng.random() < 0.5:
+                body["v"], body["type"] = v, t
+            return FuzzMessage(subject, msgpack.packb(body, use_bin_type=True), reply, "bad_envelope")
+        self._mutate(d)
+        try:
+            data = self._pack(d, type_name)
+        except (OverflowError, TypeError, ValueError):
+            data = self._pack(self.base(type_name), type_name)
+        if len(data) > MAX_PAYLOAD:
+            data = data[:MAX_PAYLOAD]
+        return FuzzMessage(subject, data, reply, "mutated")
+
+    # ---- the cost guard ------------------------------------------------------------------------------------
+    def _prompt_ok(self, n: int) -> bool:
+        return n <= SHORT_PROMPT or n >= self.max_model_len
+
+    def bounded(self, data: bytes) -> bool:
+        """False if the cluster would accept ``data`` as work that is not cheap (see the module invariant)."""
+        try:
+            msg = protocol.decode(data)
+        except DeepinferError:
+            return True
+        if isinstance(msg, protocol.GenerateRequest):
+            if msg.max_tokens > MAX_WORK_TOKENS and msg.timeout_s > SHORT_TIMEOUT_S:
+                return False
+            if msg.prompt_token_ids is not None:
+                return self._prompt_ok(len(msg.prompt_token_ids))
+            if self.prompt_tokens is None:
+                return len(msg.prompt or "") + sum(len(m.get("content", "")) for m in msg.messages or []) <= 100
+            try:
+                return self._prompt_ok(self.prompt_tokens(msg))
+            except Exception:  # the router cannot tokenize it either: it answers with an error
+                return True
+        if isinstance(msg, (protocol.PrefillRequest, protocol.DecodeLocalRequest, protocol.KVHandoff)):
+            sampling = msg.sampling  # a dict or a nested wire message, depending on the protocol version
+            max_tokens = sampling.get("max_tokens", 256) if isinstance(sampling, dict) else sampling.max_tokens
+            return (isinstance(max_tokens, int) and max_tokens <= MAX_WORK_TOKENS
+                    and self._prompt_ok(len(msg.prompt_token_ids)))
+        return True
+
+    @staticmethod
+    def known_bug(data: bytes) -> bool:
+        """True for a valid message that names a subject a worker would publish to past the control line."""
+        try:
+            msg = protocol.decode(data)
+        except DeepinferError:
+            return False
+        handle = getattr(msg, "handle", None)
+        named = [getattr(msg, "reply_to", ""), handle.get("subject") if isinstance(handle, dict) else ""]
+        return any(isinstance(s, str) and len(s.encode("utf-8", "replace")) > LONG_SUBJECT_BYTES for s in named)
+
+    def messages(self, n: int) -> Iterator[FuzzMessage]:
+        for _ in range(n):
+            yield self.one()

@@ -173,7 +173,7 @@ def make_fuzzer(folder: Path, handoff: dict, seed: int = SEED) -> Fuzzer:
                   dtype=handoff["dtype"], max_model_len=config["max_position_embeddings"], prompt_tokens=prompt_tokens)
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(120)
 async def test_fuzzed_messages_on_every_subject(folder):
     t_start = time.monotonic()
     want = reference(folder, GOOD_PROMPTS, GOOD_MAX_TOKENS)
@@ -294,3 +294,28 @@ def test_subnormal_temperature_does_not_fail_its_batch(folder):
             if out.finished:
                 finished[out.request_id] = out
     assert finished[good].finish_reason == "length", f"{finished[good].finish_reason}: one bad request failed its batch"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "bug found by the fuzzer: a KV handle with an infinite float where an int belongs (stream 'chunk'/'chunks', "
+    "'nbytes', a 'shape' entry) raises OverflowError from int(), which handle_fields/handle_meta do not catch: "
+    "the decode worker logs 'handler failed' and answers internal instead of transfer_failed"))
+def test_infinite_numbers_in_a_kv_handle_are_transfer_failed():
+    from shared.errors import DeepinferError, ErrorCode
+    from shared.kv.transport import handle_fields, handle_meta
+
+    inf = float("inf")
+    calls = {"chunk": lambda: handle_fields({"subject": "s", "chunk": inf, "chunks": 1}, "stream",
+                                            subject=str, chunk=int, chunks=int),
+             "shape": lambda: handle_meta({"dtype": "float64", "shape": [inf], "nbytes": 8}),
+             "nbytes": lambda: handle_meta({"dtype": "float64", "shape": [1], "nbytes": -inf})}
+    outcomes = {}
+    for name, call in calls.items():
+        try:
+            call()
+            outcomes[name] = "accepted"
+        except DeepinferError as err:
+            outcomes[name] = err.code.value
+        except Exception as err:  # what the worker's handler would see as an internal error
+            outcomes[name] = type(err).__name__
+    assert outcomes == dict.fromkeys(calls, ErrorCode.TRANSFER_FAILED.value), outcomes

@@ -54,7 +54,7 @@ class Worker:
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None)
         engine = await asyncio.to_thread(LLMEngine.from_path, c.model or None, engine_cfg)
-        self.nc = await connect(c.nats_url, c.worker_id)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
         engine.set_kv_event_sink(self.kv_events.sink)  # before the engine thread starts
         self.aengine = AsyncEngine(engine)
@@ -103,11 +103,17 @@ class Worker:
                                     usage=usage)
         await self.nc.publish(reply_to, protocol.encode(chunk))
 
-    async def run_forever(self) -> None:
+    async def run_forever(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit code 0) or until NATS closes the connection for good (1)."""
         await self.start()
         self.runtime.install_signal_handlers()
         await self.runtime.stop_requested.wait()
         await self.shutdown()
+        return 1 if self.runtime.connection_lost else 0
+
+    def _on_nats_closed(self) -> None:
+        if self.runtime is not None:
+            self.runtime.connection_closed()
 
     async def shutdown(self) -> None:
         """Drain and stop (see the module docstring). Idempotent; concurrent calls wait for the same drain."""
@@ -156,4 +162,4 @@ def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None
     SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(WorkerConfig, argv if argv is not None else sys.argv[1:], role=role)
-    asyncio.run(service_cls(config).run_forever())
+    sys.exit(asyncio.run(service_cls(config).run_forever()))

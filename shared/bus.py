@@ -34,8 +34,11 @@ Handler = Callable[[Msg], Awaitable[None]]
 HAND_BACK_WAIT_S = 5.0  # after hand_back(), how long handlers get to publish their last chunk
 
 
-async def connect(url: str, name: str) -> nats.NATS:
-    """Connect, retrying forever on later disconnects (services outlive NATS restarts)."""
+async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None) -> nats.NATS:
+    """Connect, retrying forever on later disconnects (services outlive NATS restarts). nats-py closes a
+    connection for good on a server ``-ERR``; ``on_closed`` hears every close (``ServiceRuntime`` turns one it
+    did not ask for into a stop with a failing exit code, so a supervisor restarts the service instead of it
+    living on deaf)."""
     async def on_disconnect():
         logger.info("%s: disconnected from NATS", name)
 
@@ -45,10 +48,14 @@ async def connect(url: str, name: str) -> nats.NATS:
     async def on_error(err):
         logger.debug("%s: NATS error %s", name, err)
 
+    async def on_close():
+        if on_closed is not None:
+            on_closed()
+
     return await nats.connect(url, name=name, connect_timeout=5, reconnect_time_wait=0.25,
                               max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5,
                               max_outstanding_pings=2, disconnected_cb=on_disconnect,
-                              reconnected_cb=on_reconnect, error_cb=on_error)
+                              reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close)
 
 
 async def reply_error(msg: Msg, err: DeepinferError) -> None:
@@ -64,6 +71,7 @@ class ServiceRuntime:
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT; the service then shuts down
         self.error_counts: dict[str, int] = {}
         self.draining = False
+        self.connection_lost = False  # NATS closed the connection for good without our asking
         self._queue_subs: list = []
         self._inflight: set[asyncio.Task] = set()  # work handlers running now
         self._background: set[asyncio.Task] = set()
@@ -147,6 +155,13 @@ class ServiceRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
+
+    def connection_closed(self) -> None:
+        """The ``on_closed`` of ``connect``: a close we did not ask for stops the service (exit code 1)."""
+        if not self._closed and not self.connection_lost:
+            logger.error("%s: NATS closed the connection for good; stopping", self.info.worker_id)
+            self.connection_lost = True
+            self.stop_requested.set()
 
     @property
     def num_inflight(self) -> int:

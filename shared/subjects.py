@@ -88,6 +88,18 @@ def kv_pull(transfer_id: str) -> str:
     return f"{PREFIX}.kvx.{validate_token(transfer_id, 'transfer_id')}"
 
 
+def is_kv_pull(subject: str) -> bool:
+    """True when ``subject`` is exactly one ``kv_pull`` subject (what a ``stream`` KV handle may name)."""
+    prefix = f"{PREFIX}.kvx."
+    if not isinstance(subject, str) or not subject.startswith(prefix):
+        return False
+    try:
+        validate_token(subject[len(prefix):])
+    except ValueError:
+        return False
+    return True
+
+
 def ctl(service: str, op: str) -> str:
     """Control-plane subject of one service and operation."""
     return f"{PREFIX}.ctl.{validate_token(service, 'service')}.{validate_token(op, 'op')}"

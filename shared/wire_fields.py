@@ -8,6 +8,7 @@ from shared import subjects
 from shared.errors import invalid
 
 MAX_ID_LEN = 256
+MAX_SUBJECT_LEN = 512  # nats-server drops a connection whose PUB line exceeds 4 KiB: stay far below
 
 
 # ---- shared field rules --------------------------------------------------------------------------------
@@ -35,6 +36,7 @@ def _check_worker(name: str, value: str) -> None:
 
 
 def _check_subject(name: str, value: str) -> None:
+    _require(len(value) <= MAX_SUBJECT_LEN, f"field {name!r}: longer than {MAX_SUBJECT_LEN} characters")
     parts = value.split(".")
     _require(bool(value) and all(p and p not in ("*", ">") and not any(c.isspace() for c in p)
                                  for p in parts), f"field {name!r}: not a literal NATS subject")

@@ -9,7 +9,8 @@ from shared.config import RouterConfig, load_config
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(RouterService(load_config(RouterConfig, argv if argv is not None else sys.argv[1:])).run_forever())
+    config = load_config(RouterConfig, argv if argv is not None else sys.argv[1:])
+    sys.exit(asyncio.run(RouterService(config).run_forever()))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class RouterService:
         c = self.config
         logger.info("starting %s with %s", c.worker_id, c)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
-        self.nc = await connect(c.nats_url, c.worker_id)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
@@ -172,11 +172,17 @@ class RouterService:
                                  f"(serving: {sorted(served) or 'nothing yet'})")
 
     # ---- lifecycle -----------------------------------------------------------------------------------
-    async def run_forever(self) -> None:
+    async def run_forever(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit code 0) or until NATS closes the connection for good (1)."""
         await self.start()
         self.runtime.install_signal_handlers()
         await self.runtime.stop_requested.wait()
         await self.shutdown()
+        return 1 if self.runtime.connection_lost else 0
+
+    def _on_nats_closed(self) -> None:
+        if self.runtime is not None:
+            self.runtime.connection_closed()
 
     async def shutdown(self) -> None:
         """Drain and stop (see the module docstring). Idempotent."""

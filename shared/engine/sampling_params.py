@@ -5,10 +5,13 @@ from dataclasses import dataclass, field
 
 from shared.sampling_rules import check_sampling
 
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables top-p.
+    """``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k <= 0`` disables top-k;
+    ``top_p == 1`` disables top-p.
 
     ``seed`` makes sampling reproducible per request regardless of batching. ``stop`` strings end the
     output *before* the stop string (it is not in the text; the token that completed it is the last of the
@@ -40,4 +43,6 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below ``GREEDY_TEMPERATURE`` sample greedily (as vLLM does): dividing logits by a
+        subnormal temperature overflows to inf and would poison the whole batch's sampling."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

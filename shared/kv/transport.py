@@ -142,7 +142,7 @@ def handle_meta(handle: dict) -> tuple[torch.dtype, list[int], int]:
         dtype = parse_dtype(handle["dtype"])
         shape = [int(s) for s in handle["shape"]]
         nbytes = int(handle["nbytes"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise transfer_failed(f"malformed KV handle: {exc!r}") from None
     numel = 1
     for s in shape:
@@ -275,7 +275,7 @@ def handle_fields(handle: dict, transport: str, **kinds: Callable[[Any], Any]) -
     a missing or mistyped field is ``transfer_failed`` naming the transport."""
     try:
         return tuple(kind(handle[name]) for name, kind in kinds.items())
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise transfer_failed(f"malformed {transport} handle: {exc!r}") from None
 
 

@@ -151,6 +151,8 @@ class StreamTransport(KVTransport):
         result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
         nbytes = int(handle["nbytes"])
         subject, chunk, chunks = handle_fields(handle, "stream", subject=str, chunk=int, chunks=int)
+        if not subjects.is_kv_pull(subject):  # never publish to a subject a peer made up (long ones kill the link)
+            raise transfer_failed(f"stream handle subject {subject[:64]!r} is not a KV pull subject")
         if nbytes == 0:
             return result
         if chunk <= 0 or chunks != -(-nbytes // chunk):

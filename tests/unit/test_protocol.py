@@ -357,3 +357,9 @@ def test_nested_models():
 def test_dict_keys_must_be_str():
     with pytest.raises(DeepinferError, match="'handle'"):
         dataclasses.replace(SAMPLES["KVHandoff"], handle={1: "x"})
+
+
+def test_reply_subjects_are_bounded():
+    """nats-server drops a connection whose PUB line passes 4 KiB: a long reply_to must never reach a worker."""
+    with pytest.raises(DeepinferError, match="reply_to"):
+        p.decode(body(SAMPLES["DecodeLocalRequest"], reply_to="_INBOX." + "a" * 600))

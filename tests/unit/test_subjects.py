@@ -30,3 +30,9 @@ def test_safe_token():
     assert subjects.safe_token("Qwen/Qwen2.5-0.5B") == a
     with pytest.raises(ValueError):
         subjects.safe_token("")
+
+
+def test_is_kv_pull_accepts_only_one_pull_subject():
+    assert subjects.is_kv_pull(subjects.kv_pull("w-1"))
+    for bad in ("di.v1.kvx.", "di.v1.kvx.a.b", "di.v1.kvx.*", "_INBOX.x", "di.v1.kvx." + "a" * 5000, None):
+        assert not subjects.is_kv_pull(bad)

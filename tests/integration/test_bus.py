@@ -1,0 +1,32 @@
+"""The service runtime against a real nats-server: a connection NATS closes for good stops the service with a
+failing exit code instead of leaving it deaf; a close the service asked for does not."""
+import asyncio
+import time
+
+from shared import protocol
+from shared.bus import ServiceRuntime, connect
+
+
+def info(wid: str) -> protocol.WorkerInfo:
+    return protocol.WorkerInfo(worker_id=wid, role="decode", model_id="m", host="h", pid=1, transports=[],
+                               block_size=16, started_at=time.time())
+
+
+async def test_connection_closed_by_the_server_stops_the_service(nats_server):
+    holder: list[ServiceRuntime] = []
+    nc = await connect(nats_server.url, "victim", on_closed=lambda: holder[0].connection_closed())
+    runtime = ServiceRuntime(nc, info("victim"))
+    holder.append(runtime)
+    await nc.publish("x" * 5000, b"")  # the server answers -ERR 'maximum control line exceeded'; nats-py gives up
+    await asyncio.wait_for(runtime.stop_requested.wait(), 10)
+    assert runtime.connection_lost and nc.is_closed
+
+
+async def test_a_requested_close_is_not_a_lost_connection(nats_server):
+    holder: list[ServiceRuntime] = []
+    nc = await connect(nats_server.url, "calm", on_closed=lambda: holder[0].connection_closed())
+    runtime = ServiceRuntime(nc, info("calm"))
+    holder.append(runtime)
+    await runtime.close()
+    await asyncio.sleep(0.2)
+    assert nc.is_closed and not runtime.connection_lost and not runtime.stop_requested.is_set()

@@ -87,6 +87,8 @@ class KVEventPublisher:
 
     async def on_snapshot(self, msg) -> None:
         """Reply with every cached hash as of the last published seq (flushes pending events first)."""
+        if not msg.reply:
+            return  # nobody to answer: not worth a snapshot
         await self.flush()
         hashes = await self.snapshot_fn()
         await msg.respond(protocol.encode(protocol.KVSnapshot(worker_id=self.worker_id, seq=self.seq,

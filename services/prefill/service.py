@@ -24,6 +24,8 @@ class PrefillService(Worker):
         await self.runtime.serve(subjects.prefill(self.config.worker_id), self.on_prefill)
 
     async def on_prefill(self, msg) -> None:
+        if not msg.reply:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, "a PrefillRequest needs a reply subject for its Ack")
         req = protocol.decode(msg.data, protocol.PrefillRequest)
         params = sampling_params(req.sampling)
         if req.transport not in self.transports:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -284,13 +285,22 @@ def deadline_left(deadline: float) -> float:
 
 
 async def sync_with_server(nc: Any, timeout: float) -> None:
-    """Return once the server has processed every SUB/UNSUB this client sent before the call.
+    """Return once the server has processed every SUB/UNSUB this client sent before the call: a message to
+    our own inbox is queued behind them and comes back through the server. Raises ``TimeoutError`` (nats')
+    after ``timeout``; safe to cancel.
 
-    Two flushes: nats-py 2.16 writes PING straight to the socket, possibly ahead of a SUB/UNSUB still in
-    its pending buffer, so the first PONG proves nothing; the second PING follows them on the wire.
+    Not ``nc.flush()``: nats-py 2.16 resolves a PONG into the flush's future even when a timeout or a cancel
+    already cancelled it; the ``InvalidStateError`` ends the client's read loop and the connection stays deaf
+    until a stale-connection reconnect (~15 s, messages lost). It also writes PING ahead of pending SUB/UNSUB.
     """
-    await nc.flush(timeout=timeout)
-    await nc.flush(timeout=timeout)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        await nc.publish(inbox, b"")
+        await sub.next_msg(timeout=timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def unsubscribe_quietly(nc: Any, sub: Any, timeout: float = 1.0) -> None:

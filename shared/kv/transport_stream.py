@@ -171,15 +171,18 @@ class StreamTransport(KVTransport):
                 dst[start:start + expect] = np.frombuffer(data, dtype=np.uint8)
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(min(self.max_inflight, chunks))]
+        gathered = asyncio.gather(*tasks)
         try:
             # The pulls bound themselves by the deadline; wait_for is the backstop (+1 s grace).
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout + 1.0)
+            await asyncio.wait_for(gathered, timeout + 1.0)
         except asyncio.TimeoutError:
             raise transfer_failed(f"fetch of {subject} exceeded {timeout:.1f} s") from None
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # retrieved: a failure after a cancel is not "never retrieved"
         return result
 
     async def close(self) -> None:

@@ -10,9 +10,6 @@ types, NaN/inf, long strings, huge lists, extra or missing fields) and ``valid``
 Invariant: whatever the mutation, a message that the cluster would accept as work is cheap (``bounded``):
 at most ``MAX_WORK_TOKENS`` new tokens (or, for a client request, a timeout of at most ``SHORT_TIMEOUT_S``
 that the router enforces) and a prompt either short or past the context window (rejected at once).
-Known bug avoided (``avoid_known_bugs``, default on; ``avoided`` counts the redraws): a PrefillRequest for the
-``stream`` transport whose deadline may pass while the transfer is being staged cancels a NATS flush, which
-kills the prefill worker's nats-py read loop (``test_fuzz.py::test_cancelled_server_sync_keeps_reading``).
 
 Request ids come from a small pool (``fz-<k>``, and the workers' ``fz-<k>~<attempt>``) so duplicates, cancels
 of live requests and pulls of live ``stream`` transfers (``kvx.prefill-0-fz-<k>~0``) happen.
@@ -60,17 +57,14 @@ class Fuzzer:
     it, text prompts over 100 characters count as costly)."""
 
     def __init__(self, seed: int, *, workers: list[str], vocab: int, block_shape: list[int], dtype: str,
-                 max_model_len: int, prompt_tokens: Callable[[protocol.GenerateRequest], int] | None = None,
-                 avoid_known_bugs: bool = True) -> None:
+                 max_model_len: int, prompt_tokens: Callable[[protocol.GenerateRequest], int] | None = None) -> None:
         self.rng = random.Random(seed)
         self.workers = list(workers)
         self.vocab, self.block_shape, self.dtype = vocab, list(block_shape), dtype
         self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.fake_workers = ["decode-7", "prefill-9", "ghost", "router-2", "x" * 128]
-        self.avoid_known_bugs = avoid_known_bugs
         self.redraws = 0   # drawn messages replaced because they were costly work
-        self.avoided = 0   # ... or because they would trigger a known bug
         self._n = 0
         self.subjects = self._subjects()
 
@@ -311,15 +305,12 @@ class Fuzzer:
                              use_bin_type=True), "not_a_map"
 
     def one(self) -> FuzzMessage:
-        """The next message (redrawn until it is bounded work and, with ``avoid_known_bugs``, no known bug)."""
+        """The next message (redrawn until it is bounded work)."""
         while True:
             msg = self._draw()
-            if not self.bounded(msg.data):
-                self.redraws += 1
-            elif self.avoid_known_bugs and self.known_bug(msg.data):
-                self.avoided += 1
-            else:
+            if self.bounded(msg.data):
                 return msg
+            self.redraws += 1
 
     def _draw(self) -> FuzzMessage:
         rng = self.rng
@@ -389,15 +380,6 @@ class Fuzzer:
             return (isinstance(max_tokens, int) and max_tokens <= MAX_WORK_TOKENS
                     and self._prompt_ok(len(msg.prompt_token_ids)))
         return True
-
-    @staticmethod
-    def known_bug(data: bytes) -> bool:
-        """True for a valid ``stream`` PrefillRequest with a deadline that may pass during staging."""
-        try:
-            msg = protocol.decode(data)
-        except DeepinferError:
-            return False
-        return isinstance(msg, protocol.PrefillRequest) and msg.transport == "stream" and not msg.deadline_s >= 2.0
 
     def messages(self, n: int) -> Iterator[FuzzMessage]:
         for _ in range(n):

@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from services.client import generate_stream
+from shared.client import generate_stream
 from services.launcher import Cluster, ClusterSpec
 from shared import protocol
 from shared.bus import connect

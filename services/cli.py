@@ -16,7 +16,7 @@ import time
 
 from tqdm import tqdm
 
-from services.client import generate_stream
+from shared.client import generate_stream
 from services.launcher import Cluster, ClusterSpec
 from shared import protocol
 from shared.bus import connect

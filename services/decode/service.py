@@ -12,7 +12,7 @@ import logging
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import handle_meta
-from services.worker import Worker, sampling_params
+from shared.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
-from services.worker import Worker, sampling_params
+from shared.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 

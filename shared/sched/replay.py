@@ -73,7 +73,7 @@ def _error_code(err: BaseException) -> str:
 
 async def _one(nc, idx: int, prompt: list[int], max_tokens: int, timeout_s: float, start: float,
                prefill_mode: str) -> dict:
-    from services.client import generate_stream
+    from shared.client import generate_stream
     from shared import protocol
 
     req = protocol.GenerateRequest(request_id=f"bench-{idx}-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from services.client import generate
+from shared.client import generate
 from services.launcher import Cluster, ClusterSpec
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig

@@ -11,7 +11,7 @@ from shared.config import RouterConfig, WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from services.client import generate
+from shared.client import generate
 from shared import protocol
 from tests.integration.conftest import connect
 

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from services.client import generate
+from shared.client import generate
 from shared import protocol
 from shared.kv.block_hash import hash_prompt_blocks
 from tests.integration.conftest import connect

@@ -7,7 +7,7 @@ import random
 import msgpack
 import pytest
 
-from services.client import generate, generate_stream
+from shared.client import generate, generate_stream
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports

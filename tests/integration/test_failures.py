@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from services.client import generate
+from shared.client import generate
 from services.launcher import Cluster, ClusterSpec
 from nats.js.errors import KeyNotFoundError
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.client import generate
+from shared.client import generate
 from shared import protocol
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, reference_outputs

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from services.kv_events import KVEventPublisher, _coalesce
+from shared.kv.events import KVEventPublisher, _coalesce
 from services.router.service import RouterService
 from services.router.workers import InflightAccount, WorkerTable
 from shared import protocol

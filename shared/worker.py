@@ -26,7 +26,7 @@ from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports, make_transport
-from services.kv_events import KVEventPublisher
+from shared.kv.events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -78,6 +78,20 @@ class Cluster:
             [self.spawn_worker("decode", i) for i in range(s.decode)]
         await self.wait_healthy(names, s.start_timeout_s)
 
+    def respawn_router(self) -> None:
+        """Start the router again under the same id and flags after its process exited (e.g. ``kill("router")``);
+        the previous router's log is kept as ``router.log.<n>`` (n = 1, 2, …)."""
+        old = self.procs.get("router")
+        if old is not None and old.poll() is None:
+            raise RuntimeError("the router is still running")
+        log = self.log_dir / "router.log"
+        if log.exists():
+            n = 1
+            while (self.log_dir / f"router.log.{n}").exists():
+                n += 1
+            log.rename(self.log_dir / f"router.log.{n}")
+        self._spawn("router", "services.router", self.router_args(), 1)
+
     def router_args(self) -> list[str]:
         """The router's command line (flags of ``RouterConfig``)."""
         s = self.spec

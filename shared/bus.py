@@ -141,6 +141,8 @@ class ServiceRuntime:
             logger.debug("heartbeat failed: %s", err)
 
     async def _register(self) -> None:
+        """Put this service's entry in the registry bucket (created when missing). A failed put forgets the
+        bucket handle, so a server that lost its JetStream store gets the bucket back on the next beat."""
         if self._kv is None:
             js = self.nc.jetstream(timeout=2)
             try:
@@ -149,7 +151,11 @@ class ServiceRuntime:
                 from nats.js.api import KeyValueConfig
                 self._kv = await js.create_key_value(KeyValueConfig(bucket=subjects.REGISTRY_BUCKET,
                                                                     ttl=self.registry_ttl_s))
-        await self._kv.put(self.info.worker_id, protocol.encode(self.info))
+        try:
+            await self._kv.put(self.info.worker_id, protocol.encode(self.info))
+        except Exception:
+            self._kv = None
+            raise
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -38,6 +38,9 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest,
                 msg = await sub.next_msg(timeout=idle)
             except asyncio.TimeoutError:
                 raise DeepinferError(ErrorCode.TIMEOUT, f"no reply within {idle:.0f} s") from None
+            if not msg.data and msg.headers and msg.headers.get("Status") == "503":  # nats: no responders
+                done = True
+                raise DeepinferError(ErrorCode.UNAVAILABLE, f"no router serves {subjects.GENERATE}")
             reply = protocol.decode(msg.data, (protocol.TokenChunk, protocol.ErrorReply))
             if isinstance(reply, protocol.ErrorReply):
                 done = True

@@ -53,6 +53,7 @@ class RouterConfig:
     local_prefill_threshold: int = 64  # prompts up to this many tokens prefill on the decode worker
     worker_dead_after_s: float = 3.0  # no heartbeat for this long = dead
     dispatch_timeout_s: float = 5.0  # a worker must accept a request within this
+    stall_probe_s: float = 2.0  # a stream silent this long: ask its workers whether they still hold it
     max_failovers: int = 2  # re-placements of a request whose worker died (prompt + delivered tokens)
     max_inflight: int = 256  # admission: more concurrent requests than this are rejected (overloaded)
     policy: str = "predictive"  # round_robin | least_loaded | cache_aware | kv_cost | predictive
@@ -69,7 +70,7 @@ class RouterConfig:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
                 or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
-                or self.ttft_slo_s < 0):
+                or self.ttft_slo_s < 0 or self.stall_probe_s <= 0):
             raise ValueError("invalid router config")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")

@@ -26,7 +26,7 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk", "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest",
-           "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
+           "RequestProbe", "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
@@ -239,6 +239,17 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     def _check(self) -> None:
         self._check_common()
         _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class RequestProbe(WireModel):
+    """Router -> worker on ``subjects.ctl(worker, "probe")``: do you still hold ``request_id``? The reply is an
+    ``Ack`` whose ``ok`` says so (a stream whose chunks stopped while no worker holds it lost its end in
+    transit)."""
+    request_id: str
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id)
 
 
 @wire_message(MAX_CONTROL_BYTES)

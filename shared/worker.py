@@ -69,6 +69,7 @@ class Worker:
         await self.serve_handlers()
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)
+        await self.runtime.serve(subjects.ctl(c.worker_id, "probe"), self.on_probe, work=False)
         self.kv_events.start()
         self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq})
         logger.info("%s ready (transports %s)", c.worker_id, offered)
@@ -85,6 +86,12 @@ class Worker:
         if entry is not None:
             logger.info("[%s] cancelled", req.request_id)
             entry[0].cancel()
+
+    async def on_probe(self, msg) -> None:
+        """Answer whether a request is still held here (queued, running or handing off)."""
+        probe = protocol.decode(msg.data, protocol.RequestProbe)
+        if msg.reply:
+            await msg.respond(protocol.encode(protocol.Ack(ok=probe.request_id in self.active)))
 
     def track(self, request_id: str, reply_to: str) -> None:
         self.active[request_id] = (asyncio.current_task(), reply_to)

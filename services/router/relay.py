@@ -6,7 +6,8 @@ enforce the request's deadline. An attempt that fails for a reason another place
 ``AttemptFailed`` (retryable by construction) naming the workers to avoid: a worker that did not accept
 (no responders, dispatch timeout, ``unavailable``/``overloaded`` reply, e.g. a draining worker), a worker that
 stops heartbeating, or a worker that reports its partner lost, a failed hand-off, or hands the stream back
-while draining. The stream is then re-placed with prompt + the tokens already delivered, up to
+while draining; also an attempt whose chunks were lost in transit (a gap in the workers' numbering, or a
+silence in which no worker holds the request any more). The stream is then re-placed with prompt + the tokens already delivered, up to
 ``max_failovers`` times, so the client sees one stream with no gap or duplicate (greedy output is exactly the
 uninterrupted one; a sampled continuation draws afresh from the same distribution). Every other error ends
 the stream with that error.
@@ -60,9 +61,10 @@ class Relay:
     chunk, or raises the error that ends the stream (the caller publishes it as the final chunk)."""
 
     def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
-                 max_failovers: int) -> None:
+                 max_failovers: int, stall_probe_s: float = 2.0) -> None:
         self.nc, self.placer, self.table = nc, placer, table
         self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
+        self.stall_probe_s = stall_probe_s
 
     async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
         attempt = 0
@@ -115,12 +117,22 @@ class Relay:
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                    reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, stream, prefill_w, decode_w, account.prefill_done, attempt)
+            finished = await self._relay(sub, stream, work_id, prefill_w, decode_w, account.prefill_done, attempt)
         finally:
             account.close()
             await sub.unsubscribe()
             if not finished:  # stop whatever the workers are still doing for this attempt
                 await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=work_id)))
+
+    async def probe(self, worker_id: str, work_id: str) -> bool | None:
+        """Whether ``worker_id`` still holds ``work_id``; None when it did not answer in time."""
+        try:
+            reply = await self.nc.request(subjects.ctl(worker_id, "probe"),
+                                          protocol.encode(protocol.RequestProbe(request_id=work_id)), timeout=1.0)
+            return protocol.decode(reply.data, protocol.Ack).ok
+        except Exception as err:  # timeout, no responders, an old worker: the heartbeat watch covers it
+            logger.debug("probe of %s on %s failed: %r", work_id, worker_id, err)
+            return None
 
     async def _dispatch(self, worker: WorkerState, work) -> None:
         """Send ``work`` to ``worker`` and wait for its Ack; a worker that does not accept is retryable."""
@@ -137,11 +149,17 @@ class Relay:
                 raise AttemptFailed(err.code, f"worker {wid} refused: {err.message}", {wid})
             raise err
 
-    async def _relay(self, sub, stream: Stream, prefill_w, decode_w, on_first_token, attempt: int) -> bool:
+    async def _relay(self, sub, stream: Stream, work_id: str, prefill_w, decode_w, on_first_token,
+                     attempt: int) -> bool:
         """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
-        Raises ``AttemptFailed`` when a worker this attempt still depends on stops heartbeating."""
-        chunks, got_token = 0, False
+
+        The attempt's workers number its chunks 0, 1, 2, ... (the prefill worker's first token is 0); a gap, or
+        a silence in which no worker holds the request any more (its end was lost in transit, e.g. across a
+        NATS restart), fails the attempt without blaming a worker, and so does a worker that stops
+        heartbeating (that one is avoided): the stream continues from what the client already has."""
+        expected, got_token = 0, False
         workers = {w.report.worker_id for w in (prefill_w, decode_w) if w is not None}
+        watch = _StallWatch(self, work_id, self.stall_probe_s)
         while True:
             remaining = stream.deadline - time.monotonic()
             if remaining <= 0:
@@ -149,24 +167,29 @@ class Relay:
             try:
                 msg = await sub.next_msg(timeout=min(remaining, 0.5))
             except asyncio.TimeoutError:
-                # the prefill worker matters until the decode worker's first chunk: after its own first token it
-                # still stages and hands off the KV
-                watched = [decode_w] + ([prefill_w] if prefill_w is not None and chunks <= 1 else [])
+                # the prefill worker matters until the decode worker's first chunk (seq 1): after its own first
+                # token it still stages and hands off the KV
+                watched = [decode_w] + ([prefill_w] if prefill_w is not None and expected <= 1 else [])
                 for w in watched:
                     if not self.table.is_alive(w.report.worker_id):
                         raise AttemptFailed(ErrorCode.WORKER_LOST, f"worker {w.report.worker_id} stopped "
                                             "responding", {w.report.worker_id}) from None
+                await watch.idle([w.report.worker_id for w in watched])
                 continue
+            watch.chunk()
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
-            chunks += 1
+            if chunk.error is not None and chunk.error.get("code") in RETRYABLE_CODES:
+                # partner lost, hand-off failed, handed back by a draining worker: another pair may serve it
+                raise AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""), workers)
+            if chunk.error is None and chunk.seq != expected:
+                raise AttemptFailed(ErrorCode.WORKER_LOST, f"chunk {expected} of {work_id} was lost in transit "
+                                    f"(got {chunk.seq})", set())
+            expected += 1
             if chunk.token_ids and not got_token:
                 got_token = True
                 on_first_token()
                 if stream.ttft_s is None:
                     stream.ttft_s = time.monotonic() - stream.t0
-            if chunk.error is not None and chunk.error.get("code") in RETRYABLE_CODES:
-                # partner lost, hand-off failed, handed back by a draining worker: another pair may serve it
-                raise AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""), workers)
             usage = chunk.usage
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
                 usage = {**usage, "prompt_tokens": stream.prompt_len,
@@ -183,6 +206,30 @@ class Relay:
         stream.next_seq += 1
         stream.delivered.extend(chunk.token_ids)
         stream.ended = chunk.final
+
+
+class _StallWatch:
+    """Probes the attempt's workers after ``every_s`` without a chunk. When every probed worker answers that it
+    no longer holds the request, the attempt gets one more quiet interval (a final chunk published just before
+    the answer is already queued for us); still nothing then means its end was lost in transit."""
+
+    def __init__(self, relay: Relay, work_id: str, every_s: float) -> None:
+        self.relay, self.work_id, self.every_s = relay, work_id, every_s
+        self.next_probe = time.monotonic() + every_s
+        self.orphaned = False
+
+    def chunk(self) -> None:
+        self.next_probe, self.orphaned = time.monotonic() + self.every_s, False
+
+    async def idle(self, worker_ids: list[str]) -> None:
+        if self.orphaned:
+            raise AttemptFailed(ErrorCode.WORKER_LOST, f"the stream of {self.work_id} stalled and no worker holds "
+                                "it: its end was lost in transit", set())
+        if time.monotonic() < self.next_probe:
+            return
+        self.next_probe = time.monotonic() + self.every_s
+        held = [await self.relay.probe(wid, self.work_id) for wid in worker_ids]
+        self.orphaned = all(h is False for h in held)
 
 
 def attempt_id(rid: str, attempt: int) -> str:

@@ -60,7 +60,7 @@ class RouterService:
         logger.info("starting %s with %s", c.worker_id, c)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
-        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers)
+        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info)

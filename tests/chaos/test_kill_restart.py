@@ -17,7 +17,7 @@ chunk, seq gap-free from 0, usage), errored (an error chunk/reply, a seq gap the
 idle timeout), lost (no final chunk and no error, outside a router/NATS window), duplicated (a seq received
 twice, also after the final chunk), wrong (completed with tokens other than the single-process engine's greedy
 ones, or completion_tokens != max_tokens). A request that ends in error is retried once, 1 s later, under a
-new id. Asserts lost == duplicated == wrong == 0 (but see ``LOST_CHUNKS_BUG``) and that every error belongs to
+new id. Asserts lost == duplicated == wrong == 0 and that every error belongs to
 a request whose lifetime overlaps the router or the NATS window
 (a worker SIGKILL must be invisible to clients: failover).
 """
@@ -53,16 +53,13 @@ REQUEST_TIMEOUT_S = 30.0
 PROBE_PROMPT = [250, 251, 252, 253] * 5
 RETRY_AFTER_S = 1.0
 
-# Known bug (router, services/router/relay.py ``_relay``): the router forwards whatever worker chunks reach its
-# attempt inbox and never checks the workers' own seq, so chunks NATS drops (core NATS is at-most-once: chunks
-# in the server when it stops, or flushed by a worker that reconnects before the router resubscribed) vanish
-# from the stream, and the client gets a gap-free "completed" stream with fewer tokens (usage
-# completion_tokens is recomputed from what was relayed, so it agrees with the short stream).
-# ``test_chunks_lost_in_a_nats_restart_are_not_relayed_as_a_complete_stream`` reproduces it deterministically
-# (strict xfail). While it stands, the main test tolerates exactly that signature — a completed stream whose
-# lifetime overlaps the NATS window, shorter than max_tokens, whose tokens are the greedy ones with whole
-# chunks missing — and prints how many; any other wrong stream fails it. Set to False once the relay is fixed.
-LOST_CHUNKS_BUG = True
+# Fixed bug (router, services/router/relay.py ``_relay``): the router used to forward whatever worker chunks
+# reached its attempt inbox without checking the workers' own seq, so chunks NATS dropped across a restart
+# (core NATS is at-most-once) vanished from a stream that then ended "complete" with fewer tokens. The relay now
+# re-places an attempt on a gap in the workers' numbering, or when the stream stalls while no worker holds it.
+# ``test_chunks_lost_in_a_nats_restart_are_not_relayed_as_a_complete_stream`` is its regression test; the
+# tolerance below is off (``LOST_CHUNKS_BUG = False``), so any wrong stream fails the main test.
+LOST_CHUNKS_BUG = False
 LOST_CHUNKS_REASON = ("router relays a stream with worker chunks lost by NATS (restart) as complete: "
                       "services/router/relay.py _relay ignores the workers' chunk seq")
 

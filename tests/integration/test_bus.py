@@ -30,3 +30,19 @@ async def test_a_requested_close_is_not_a_lost_connection(nats_server):
     await runtime.close()
     await asyncio.sleep(0.2)
     assert nc.is_closed and not runtime.connection_lost and not runtime.stop_requested.is_set()
+
+
+async def test_client_reports_a_missing_router_as_unavailable(nats_server):
+    from shared.client import generate
+    from shared.errors import DeepinferError, ErrorCode
+
+    nc = await connect(nats_server.url, "client")
+    try:
+        try:
+            await generate(nc, protocol.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, timeout_s=2.0))
+        except DeepinferError as err:
+            assert err.code == ErrorCode.UNAVAILABLE and "no router" in err.message
+        else:
+            raise AssertionError("a request nobody serves must fail")
+    finally:
+        await nc.close()

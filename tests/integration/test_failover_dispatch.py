@@ -97,3 +97,30 @@ async def test_draining_decode_worker_hands_back_its_streams(nats_server, folder
         assert ids == want
         assert usage["completion_tokens"] == 300
     assert any(usage["failovers"] for _, _, usage in results), "some streams were on the drained worker"
+
+
+@pytest.mark.parametrize("lost", ["middle", "final"])
+async def test_chunks_lost_in_transit_are_recovered_exactly(nats_server, folder, monkeypatch, lost):
+    """A chunk vanishes between worker and router (as across a NATS restart): a gap in the workers' numbering,
+    or a final chunk that never comes while no worker holds the request any more, re-places the stream from
+    what the client has; the client gets the exact uninterrupted output (it used to get a short stream
+    marked complete, or a timeout)."""
+    prompt = list(range(3, 30))
+    expected = reference_outputs(folder, [prompt], 12)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1,
+                                router_kw={"stall_probe_s": 0.3}) as cluster:
+        decode = cluster.workers[0]
+        real_publish = decode.publish_output
+        dropped = []
+
+        async def lossy_publish(reply_to, seq, out, extra_usage=None):
+            first_attempt = out.request_id.endswith("~0")
+            if first_attempt and not dropped and ((lost == "middle" and seq == 4) or (lost == "final" and out.finished)):
+                dropped.append(seq)  # fault injection: this chunk is lost in transit
+                return
+            await real_publish(reply_to, seq, out, extra_usage)
+
+        monkeypatch.setattr(decode, "publish_output", lossy_publish)
+        ids, _, usage = await generate_once(nats_server.url, request(prompt, 12, prefill_mode="local"))
+    assert dropped and ids == expected
+    assert usage["completion_tokens"] == 12 and usage["failovers"] == 1

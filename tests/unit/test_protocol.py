@@ -31,6 +31,7 @@ SAMPLES = {
                              num_cached_tokens=2, ttft_ms=3.0, prefill_worker="prefill-0"),
     "DecodeLocalRequest": p.DecodeLocalRequest(request_id="r1", prompt_token_ids=[1], sampling=SAMPLING,
                                                reply_to="_INBOX.x"),
+    "RequestProbe": p.RequestProbe(request_id="r1~0"),
     "Ack": p.Ack(),
     "ErrorReply": p.ErrorReply(code="overloaded", message="too busy"),
     "LoadReport": p.LoadReport(worker_id="decode-0", role="decode", model_id="m", num_running=2, num_waiting=0,

@@ -17,7 +17,7 @@ import time
 from tqdm import tqdm
 
 from shared.client import generate_stream
-from services.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster, ClusterSpec
 from shared import protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig
@@ -191,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
-    from services import bench_cli, simulate_cli
+    from benchmarks import simulate_cmd, trace_bench
 
-    simulate_cli.add_parser(sub)
-    bench_cli.add_parser(sub)
+    simulate_cmd.add_parser(sub)
+    trace_bench.add_parser(sub)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
     serve.add_argument("service", choices=["router", "prefill", "decode"])
@@ -214,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return run_serve(args, extra)
         if args.command in ("simulate", "bench"):
-            from services import bench_cli, simulate_cli
+            from benchmarks import simulate_cmd, trace_bench
 
-            return (simulate_cli if args.command == "simulate" else bench_cli).run(args, print)
+            return (simulate_cmd if args.command == "simulate" else trace_bench).run(args, print)
         if args.command == "demo":
             return run_demo(args)
     except DeepinferError as err:

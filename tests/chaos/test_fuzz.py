@@ -27,7 +27,7 @@ import msgpack
 import pytest
 
 from shared.client import generate
-from services.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster, ClusterSpec
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine

@@ -34,7 +34,7 @@ import time
 import nats
 import pytest
 
-from services.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster, ClusterSpec
 from shared import protocol
 from tests.chaos.harness import (Outcome, Window, log_grep, make_prompt, overlaps, probe_until_served, reference,
                                  run_pool, stream_request, wall_clock)

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from services.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster, ClusterSpec
 from shared import protocol
 from tests.chaos.harness import (LoadWatcher, Outcome, log_counts, log_grep, make_prompt, reference, run_pool,
                                  stream_request)

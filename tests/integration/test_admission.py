@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster, ClusterSpec
 from services.cli import build_parser
 from shared import protocol
 from shared.config import RouterConfig, load_config

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from shared.sched.replay import block_tokens, metrics_from_replay, scaled_requests
+from benchmarks.replay import block_tokens, metrics_from_replay, scaled_requests
 from shared.sched.simulator import TraceRequest
 
 TRACE = [

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.simulate_cli import add_parser, run
+from benchmarks.simulate_cmd import add_parser, run
 from shared.sched.profiles import (LLAMA70B_H200, PROFILES, Profile, calibrate, calibrate_chunks, calibrate_decode,
                                    get_profile)
 from shared.sched.simulator import TraceRequest, format_table, json_line, load_trace, simulate

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import services
-from services import traces
+from benchmarks import traces
 from services.cli import main
 
 REPO = Path(services.__file__).resolve().parent.parent
@@ -31,8 +31,8 @@ def test_explicit_trace_wins(tmp_path):
 
 
 def test_no_absolute_machine_path_in_the_clis():
-    for name in ("bench_cli.py", "simulate_cli.py"):
-        assert "/work/" not in (REPO / "services" / name).read_text()
+    for name in ("trace_bench.py", "simulate_cmd.py", "traces.py"):
+        assert "/work/" not in (REPO / "benchmarks" / name).read_text()
 
 
 def _assert_clear_error(capsys, rc: int, path: Path) -> None:

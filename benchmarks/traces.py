@@ -1,5 +1,5 @@
 """Where the CLIs find request traces: ``--trace PATH``, else the Mooncake synthetic trace that sits beside the
-checkout (``<repo>/../shared/traces/mooncake_synthetic.jsonl``; the repo is the parent of ``services/``).
+checkout (``<repo>/../shared/traces/mooncake_synthetic.jsonl``; the repo is the parent of ``benchmarks/``).
 
 Invariant: ``resolve_trace`` returns the path of an existing file or raises ``DeepinferError``
 (``invalid_request``) naming the path it tried and the ``--trace`` flag; the CLI prints it and exits 2.

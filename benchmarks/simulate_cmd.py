@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from services.traces import DEFAULT_TRACE_HELP, resolve_trace
+from benchmarks.traces import DEFAULT_TRACE_HELP, resolve_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

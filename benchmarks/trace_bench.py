@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from services.traces import DEFAULT_TRACE_HELP, resolve_trace
+from benchmarks.traces import DEFAULT_TRACE_HELP, resolve_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def scaled_trace(trace, reqs, scale: int):
 
 def simulate_scaled(trace, reqs, args) -> dict:
     from shared.sched.profiles import get_profile
-    from shared.sched.replay import TRACE_BLOCK
+    from benchmarks.replay import TRACE_BLOCK
     from shared.sched.simulator import simulate
 
     prof = get_profile(args.profile)
@@ -67,7 +67,7 @@ def simulate_scaled(trace, reqs, args) -> dict:
 
 async def _replay(args, reqs) -> tuple[list[dict], float]:
     from shared.bus import connect
-    from shared.sched.replay import replay
+    from benchmarks.replay import replay
 
     nc = await connect(args.url, "bench")
     try:
@@ -84,7 +84,7 @@ def _ratio(sim, meas):
 
 def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     """Run the subcommand; all terminal output goes through ``emit`` (print-like; the CLI passes print)."""
-    from shared.sched.replay import metrics_from_replay, scaled_requests
+    from benchmarks.replay import metrics_from_replay, scaled_requests
     from shared.sched.sim_metrics import format_table, json_line
     from shared.sched.simulator import load_trace
 

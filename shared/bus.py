@@ -11,6 +11,8 @@ Lifecycle (each step idempotent; a service runs them in this order on SIGTERM, s
    ``hand_back()`` (the service gives what it still holds back to its router) and cancel what is left.
 3. The service closes its own resources (transports, engine).
 4. ``close()``: stop heartbeats, delete the registry entry, drain and close the NATS connection (last).
+
+``Service`` is the base every service's lifecycle shares (``run_forever``, an idempotent ``shutdown``).
 """
 from __future__ import annotations
 
@@ -211,3 +213,35 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 5)
         logger.info("%s: closed", self.info.worker_id)
+
+
+class Service:
+    """The lifecycle every service shares. Subclasses set ``runtime`` in ``start`` and implement
+    ``_drain_and_close`` (the drain steps above); ``connect(..., on_closed=self._on_nats_closed)``."""
+
+    runtime: ServiceRuntime | None = None
+    _shutdown: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def _drain_and_close(self) -> None:
+        raise NotImplementedError
+
+    async def run_forever(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit code 0) or until NATS closes the connection for good (1)."""
+        await self.start()
+        self.runtime.install_signal_handlers()
+        await self.runtime.stop_requested.wait()
+        await self.shutdown()
+        return 1 if self.runtime.connection_lost else 0
+
+    async def shutdown(self) -> None:
+        """Drain and stop. Idempotent; concurrent calls wait for the same drain."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.create_task(self._drain_and_close())
+        await asyncio.shield(self._shutdown)
+
+    def _on_nats_closed(self) -> None:
+        if self.runtime is not None:
+            self.runtime.connection_closed()

@@ -17,7 +17,7 @@ import socket
 import sys
 
 from shared import protocol, subjects
-from shared.bus import HAND_BACK_WAIT_S, ServiceRuntime, connect
+from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect
 from shared.config import WorkerConfig, load_config
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
@@ -31,7 +31,7 @@ from shared.kv.events import KVEventPublisher
 logger = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(Service):
     """Base of a worker service. Subclasses register their handlers in ``serve_handlers``."""
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -41,7 +41,6 @@ class Worker:
         self.aengine: AsyncEngine | None = None
         self.transports: dict = {}
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
-        self._shutdown: asyncio.Task | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -109,24 +108,6 @@ class Worker:
                                     text=out.new_text, final=out.finished, finish_reason=out.finish_reason,
                                     usage=usage)
         await self.nc.publish(reply_to, protocol.encode(chunk))
-
-    async def run_forever(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit code 0) or until NATS closes the connection for good (1)."""
-        await self.start()
-        self.runtime.install_signal_handlers()
-        await self.runtime.stop_requested.wait()
-        await self.shutdown()
-        return 1 if self.runtime.connection_lost else 0
-
-    def _on_nats_closed(self) -> None:
-        if self.runtime is not None:
-            self.runtime.connection_closed()
-
-    async def shutdown(self) -> None:
-        """Drain and stop (see the module docstring). Idempotent; concurrent calls wait for the same drain."""
-        if self._shutdown is None:
-            self._shutdown = asyncio.create_task(self._drain_and_close())
-        await asyncio.shield(self._shutdown)
 
     async def _drain_and_close(self) -> None:
         rt = self.runtime

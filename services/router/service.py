@@ -22,7 +22,7 @@ import time
 import uuid
 
 from shared import protocol, subjects
-from shared.bus import ServiceRuntime, connect
+from shared.bus import Service, ServiceRuntime, connect
 from shared.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.placement import Placer
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 THREAD_TOKENIZE_CHARS = 8192  # prompts longer than this are tokenized off the event loop
 
 
-class RouterService:
+class RouterService(Service):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.table = WorkerTable(config.worker_dead_after_s)
@@ -53,7 +53,6 @@ class RouterService:
         self.relay: Relay | None = None
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
         self._draining = False
-        self._shutdown: asyncio.Task | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -172,24 +171,6 @@ class RouterService:
                                  f"(serving: {sorted(served) or 'nothing yet'})")
 
     # ---- lifecycle -----------------------------------------------------------------------------------
-    async def run_forever(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit code 0) or until NATS closes the connection for good (1)."""
-        await self.start()
-        self.runtime.install_signal_handlers()
-        await self.runtime.stop_requested.wait()
-        await self.shutdown()
-        return 1 if self.runtime.connection_lost else 0
-
-    def _on_nats_closed(self) -> None:
-        if self.runtime is not None:
-            self.runtime.connection_closed()
-
-    async def shutdown(self) -> None:
-        """Drain and stop (see the module docstring). Idempotent."""
-        if self._shutdown is None:
-            self._shutdown = asyncio.create_task(self._drain_and_close())
-        await asyncio.shield(self._shutdown)
-
     async def _drain_and_close(self) -> None:
         await self.runtime.withdraw()
         await self.runtime.finish_inflight(self.config.drain_grace_s, self._end_streams)

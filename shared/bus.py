@@ -60,9 +60,11 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
                               reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close)
 
 
-async def reply_error(msg: Msg, err: DeepinferError) -> None:
+async def reply_error(nc: nats.NATS, msg: Msg, err: DeepinferError) -> None:
+    """Answer a failed request: body ``ErrorReply``, headers ``protocol.error_headers`` (NATS micro style)."""
     if msg.reply:
-        await msg.respond(protocol.encode(protocol.ErrorReply.from_exception(err)))
+        await nc.publish(msg.reply, protocol.encode(protocol.ErrorReply.from_exception(err)),
+                         headers=protocol.error_headers(err))
 
 
 class ServiceRuntime:
@@ -86,7 +88,7 @@ class ServiceRuntime:
         are tracked for the drain and refused once draining; control handlers (``work=False``) always run."""
         async def on_msg(msg: Msg) -> None:
             if work and self.draining:
-                await reply_error(msg, DeepinferError(ErrorCode.UNAVAILABLE,
+                await reply_error(self.nc, msg, DeepinferError(ErrorCode.UNAVAILABLE,
                                                       f"{self.info.worker_id} is draining"))
                 return
             task = asyncio.create_task(self._guard(subject, handler, msg))
@@ -104,13 +106,13 @@ class ServiceRuntime:
         except DeepinferError as err:
             self.error_counts[err.code.value] = self.error_counts.get(err.code.value, 0) + 1
             logger.info("%s: %s", subject, err)
-            await reply_error(msg, err)
+            await reply_error(self.nc, msg, err)
         except asyncio.CancelledError:
             raise
         except Exception:
             self.error_counts["internal"] = self.error_counts.get("internal", 0) + 1
             logger.exception("%s: handler failed", subject)
-            await reply_error(msg, DeepinferError(ErrorCode.INTERNAL, "internal error (see worker log)"))
+            await reply_error(self.nc, msg, DeepinferError(ErrorCode.INTERNAL, "internal error (see worker log)"))
 
     def spawn(self, coro: Awaitable) -> asyncio.Task:
         """Run ``coro`` as a background task that is kept referenced and cancelled by ``close``."""

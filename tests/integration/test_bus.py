@@ -46,3 +46,21 @@ async def test_client_reports_a_missing_router_as_unavailable(nats_server):
             raise AssertionError("a request nobody serves must fail")
     finally:
         await nc.close()
+
+
+async def test_error_replies_carry_the_error_headers(nats_server):
+    from shared.errors import DeepinferError, ErrorCode
+
+    nc = await connect(nats_server.url, "svc")
+    runtime = ServiceRuntime(nc, info("svc"))
+
+    async def refuse(msg):
+        raise DeepinferError(ErrorCode.OVERLOADED, "too busy")
+
+    await runtime.serve("test.refuse", refuse)
+    try:
+        reply = await nc.request("test.refuse", b"", timeout=5)
+        assert protocol.decode(reply.data, protocol.ErrorReply).code == "overloaded"
+        assert reply.headers["Di-Error-Code"] == "overloaded" and reply.headers["Nats-Service-Error-Code"] == "429"
+    finally:
+        await runtime.close()

@@ -7,10 +7,10 @@ enforce the request's deadline. An attempt that fails for a reason another place
 (no responders, dispatch timeout, ``unavailable``/``overloaded`` reply, e.g. a draining worker), a worker that
 stops heartbeating, or a worker that reports its partner lost, a failed hand-off, or hands the stream back
 while draining; also an attempt whose chunks were lost in transit (a gap in the workers' numbering, or a
-silence in which no worker holds the request any more). The stream is then re-placed with prompt + the tokens already delivered, up to
-``max_failovers`` times, so the client sees one stream with no gap or duplicate (greedy output is exactly the
-uninterrupted one; a sampled continuation draws afresh from the same distribution). Every other error ends
-the stream with that error.
+silence in which no worker holds the request any more). The stream is then re-placed with prompt + the tokens
+already delivered, up to ``max_failovers`` times, so the client sees one stream with no gap or duplicate
+(greedy output is exactly the uninterrupted one; a sampled continuation draws afresh from the same
+distribution). Every other error ends the stream with that error.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ RETRYABLE_CODES = frozenset(c.value for c in (ErrorCode.WORKER_LOST, ErrorCode.T
 
 
 class AttemptFailed(DeepinferError):
-    """An attempt failed because of ``workers`` in a way another placement may not: retry elsewhere."""
+    """An attempt failed in a way another placement may fix; ``workers`` (possibly none, for a message lost in
+    transit) are avoided by the next attempt while their role has others."""
 
     def __init__(self, code: ErrorCode, message: str, workers: set[str]) -> None:
         super().__init__(code, message)

@@ -26,7 +26,8 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk",
-           "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest", "RequestProbe", "Ack", "ErrorReply", "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
+           "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest", "RequestProbe", "Ack", "ErrorReply",
+           "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk

@@ -45,6 +45,7 @@ class SsdIndex:
         self.live_bytes = 0
         self._heap: list[tuple[float, float, int, int]] = []
         self._seq = 0
+        self._bulk = False    # while loading: heap entries are built once at the end
 
     def __len__(self) -> int:
         return len(self.locs)
@@ -72,10 +73,21 @@ class SsdIndex:
     def _push(self, h: int, loc: Loc) -> None:
         self._seq += 1
         loc.seq = self._seq
+        if self._bulk:
+            return
         heapq.heappush(self._heap, (loc.meta.expiry, loc.meta.last_use, loc.seq, h))
         if len(self._heap) > 2 * len(self.locs) + 64:
-            self._heap = [(v.meta.expiry, v.meta.last_use, v.seq, k) for k, v in self.locs.items()]
-            heapq.heapify(self._heap)
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [(v.meta.expiry, v.meta.last_use, v.seq, k) for k, v in self.locs.items()]
+        heapq.heapify(self._heap)
+
+    def bulk_load(self, loading: bool) -> None:
+        """``True`` before replaying a whole log (no per-change heap pushes), ``False`` after (one heapify)."""
+        self._bulk = loading
+        if not loading:
+            self._rebuild_heap()
 
     def set_block(self, h: int, segment_id: int, offset: int, length: int, meta: BlockMeta,
                   durable_expiry: float | None = None) -> Loc:
@@ -85,7 +97,7 @@ class SsdIndex:
         if old is not None:
             self._bytes(old, -1)
             before = old.segments()
-        loc = Loc(segment_id, offset, length, meta,
+        loc = Loc(segment_id, offset, length, meta.copy(),
                   meta.expiry if durable_expiry is None else durable_expiry)
         self.locs[h] = loc
         self._bytes(loc, +1)

@@ -52,11 +52,7 @@ class RecordHeader:
     last_use: float
     meta_len: int
     payload_len: int
-
-    @property
-    def length(self) -> int:
-        """Whole record bytes on disk."""
-        return PREFIX_BYTES + self.meta_len + self.payload_len + _U32.size
+    length: int          # whole record bytes on disk: PREFIX_BYTES + meta_len + payload_len + 4
 
     def meta(self) -> BlockMeta:
         return BlockMeta(self.retention, self.expiry, self.last_use)
@@ -97,12 +93,13 @@ def parse_prefix(prefix: bytes, max_length: int) -> RecordHeader | None:
         return None
     if res1 or res2 or kind not in (KIND_BLOCK, KIND_TOUCH) or (kind == KIND_TOUCH and meta_len + payload_len):
         return None
-    if PREFIX_BYTES + meta_len + payload_len + _U32.size > max_length:
+    length = PREFIX_BYTES + meta_len + payload_len + _U32.size
+    if length > max_length:
         return None
     name = name.rstrip(b"\0")
     if not name or not name.isascii():
         return None
-    return RecordHeader(kind, block_hash, name.decode("ascii"), expiry, last_use, meta_len, payload_len)
+    return RecordHeader(kind, block_hash, name.decode("ascii"), expiry, last_use, meta_len, payload_len, length)
 
 
 def body_ok(record: bytes, header: RecordHeader) -> bool:

@@ -1,0 +1,274 @@
+"""``TieredBlockStore``: the asyncio face of the block store, DRAM in front of SSD.
+
+Use from one event loop. DRAM work runs on the loop (dict operations only); every SSD operation runs on one
+dedicated thread (``ThreadPoolExecutor(max_workers=1)``), so file I/O never blocks the loop and SSD operations
+are serialized in submission order; concurrent coroutines are safe.
+
+Invariants:
+- A held block is in DRAM, on SSD, or both (the DRAM entry is then ``on_ssd``: clean), or *in flight* to SSD
+  (``_inflight``, still served). A get returns a block only if it is unexpired and its tokens equal the
+  request's; every other outcome is a counted miss.
+- Moves: a block pushed out of DRAM by LRU pressure is written back to SSD unless it is expired (dropped),
+  DRAM-only (class ttl 0: dropped) or a clean copy of a record the SSD still holds (only its newer retention
+  state is sent). An SSD hit is promoted into DRAM as a clean entry.
+- Any hit or re-put extends the block's expiry (``RetentionPolicy.extend``); the SSD learns about DRAM-side
+  extensions in batches (at most ``MAX_PENDING_TOUCHES`` waiting).
+- Durability: ``put``/``put_many`` return once the blocks are in DRAM (or, if DRAM pushed them out, on SSD);
+  an SSD write error there is logged and counted, never raised. ``flush`` writes every dirty DRAM block and
+  returns only when all of it is durable, else raises ``unavailable``; ``close`` flushes first.
+- Bounds: DRAM by ``dram_bytes``; SSD by ``ssd_bytes``; a call takes at most ``MAX_BATCH_BLOCKS`` blocks;
+  at most ``MAX_PENDING_TOUCHES`` extensions wait on the loop side. Blocks in flight to SSD are those pushed
+  out by calls still awaiting their write-back (each call waits for its own), so they are bounded by the
+  callers' concurrency x batch size: the service bounds that with its request queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv.store.block import StoredBlock, check_hash, check_token_ids
+from shared.kv.store.clock import Clock, SystemClock
+from shared.kv.store.config import StoreConfig
+from shared.kv.store.dram import DramEntry, DramTier
+from shared.kv.store.retention import BlockMeta
+from shared.kv.store.ssd import SsdTier
+from shared.kv.store.stats import StoreStats
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_TOUCHES = 1024
+MAX_BATCH_BLOCKS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    dram_expired: int
+    ssd_expired: int
+    segments_compacted: int
+
+
+class TieredBlockStore:
+    """Open with ``await TieredBlockStore.open(config, clock)``; close with ``await store.close()``."""
+
+    def __init__(self, config: StoreConfig, clock: Clock, stats: StoreStats, ssd: SsdTier,
+                 executor: ThreadPoolExecutor) -> None:
+        self.config = config
+        self._clock = clock
+        self._stats = stats
+        self._ssd = ssd
+        self._executor = executor
+        self._dram = DramTier(config.dram_bytes)
+        self._inflight: dict[int, DramEntry] = {}
+        self._touches: dict[int, BlockMeta] = {}   # DRAM-side extensions of blocks the SSD holds
+        self._closed = False
+
+    @classmethod
+    async def open(cls, config: StoreConfig, clock: Clock | None = None) -> TieredBlockStore:
+        """Open (or create) the store in ``config.directory``; the SSD index is rebuilt off the loop."""
+        clock = clock or SystemClock()
+        stats = StoreStats()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-ssd")
+        try:
+            ssd = await asyncio.get_running_loop().run_in_executor(executor, SsdTier, config, clock, stats)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(config, clock, stats, ssd, executor)
+
+    async def __aenter__(self) -> TieredBlockStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _on_ssd(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeepinferError(ErrorCode.UNAVAILABLE, "block store is closed")
+
+    # -- writes -------------------------------------------------------------------------------------------
+    async def put(self, block: StoredBlock, retention: str) -> None:
+        await self.put_many([block], retention)
+
+    async def put_many(self, blocks: Sequence[StoredBlock], retention: str) -> None:
+        """Store blocks for a request of class ``retention`` (all validated first: all or nothing).
+        Raises ``invalid_request`` (bad types, unknown class) or ``payload_too_large``."""
+        self._check_open()
+        self._check_blocks(blocks)
+        self.config.retention.ttl(retention)
+        now = self._clock.now()
+        pushed: list[DramEntry] = []
+        for block in blocks:
+            meta = self.config.retention.new_meta(retention, now)
+            old = self._dram.peek(block.block_hash)
+            same = old is not None and old.block == block
+            if same:
+                meta.merge(old.meta)
+            pushed += self._dram.put(DramEntry(block, meta, on_ssd=same and old.on_ssd))
+        self._stats.dram_evictions += len(pushed)
+        await self._write_back(pushed, now)
+
+    def _check_blocks(self, blocks: object) -> None:
+        if not isinstance(blocks, Sequence) or len(blocks) > MAX_BATCH_BLOCKS:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"blocks must be a list of ≤ {MAX_BATCH_BLOCKS}")
+        for block in blocks:
+            if not isinstance(block, StoredBlock):
+                raise DeepinferError(ErrorCode.INVALID_REQUEST, f"not a StoredBlock: {type(block).__name__}")
+            if len(block.payload) > self.config.max_block_bytes:
+                raise DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"block {block.block_hash:016x} is "
+                                     f"{len(block.payload)} bytes, max {self.config.max_block_bytes}")
+
+    async def _write_back(self, entries: list[DramEntry], now: float, flushing: bool = False) -> list[int]:
+        """Decide the fate of entries leaving DRAM (or flushed) and write the dirty ones in one SSD batch,
+        with the pending extensions. ``flushing``: always go to the SSD, and raise on failure."""
+        dirty = []
+        for entry in entries:
+            block_hash = entry.block.block_hash
+            if entry.meta.is_expired(now):
+                self._stats.dram_expiries += 1
+            elif not entry.meta.is_durable:
+                self._stats.dropped_dram_only += 1
+            elif entry.on_ssd and self._ssd.contains(block_hash):
+                self._touches[block_hash] = entry.meta.copy()
+            else:
+                dirty.append(entry)
+                self._inflight[block_hash] = entry
+        touches, self._touches = list(self._touches.items()), {}
+        if not dirty and not flushing and len(touches) < MAX_PENDING_TOUCHES:
+            self._touches = dict(touches)
+            return []
+        items = [(e.block, e.meta.copy()) for e in dirty]
+        try:
+            acked = await self._on_ssd(self._ssd_write, items, touches)
+        except (OSError, DeepinferError) as exc:
+            logger.error("block store: SSD write of %d blocks failed: %s", len(dirty), exc)
+            self._stats.writeback_failures += len(dirty)
+            if flushing:
+                raise DeepinferError(ErrorCode.UNAVAILABLE, f"block store SSD write failed: {exc}") from exc
+            return []
+        finally:
+            for entry in dirty:
+                if self._inflight.get(entry.block.block_hash) is entry:
+                    del self._inflight[entry.block.block_hash]
+        self._stats.writebacks += len(acked)
+        return acked
+
+    def _ssd_write(self, items: list[tuple[StoredBlock, BlockMeta]], touches: list[tuple[int, BlockMeta]]) \
+            -> list[int]:
+        self._ssd.touch_many(touches)
+        return self._ssd.put_many(items)
+
+    # -- reads --------------------------------------------------------------------------------------------
+    async def get(self, block_hash: int, token_ids: Sequence[int], retention: str) -> StoredBlock | None:
+        """The block of ``block_hash`` holding exactly ``token_ids``, or None; a hit by a request of class
+        ``retention`` extends its expiry. Raises ``invalid_request`` on a malformed argument."""
+        self._check_open()
+        check_hash(block_hash)
+        token_ids = check_token_ids(token_ids)
+        fresh = self.config.retention.new_meta(retention, self._clock.now())
+        now = fresh.last_use
+        entry = self._dram.get(block_hash) or self._inflight.get(block_hash)
+        if entry is not None and entry.meta.is_expired(now):
+            if self._dram.pop(block_hash) is not None:
+                self._stats.dram_expiries += 1
+            entry = None
+        elif entry is not None and not entry.block.matches(token_ids):
+            self._stats.dram_token_mismatches += 1
+            entry = None
+        if entry is not None:
+            entry.meta.merge(fresh)
+            self._stats.dram_hits += 1
+            if entry.on_ssd or block_hash in self._inflight:
+                self._touches[block_hash] = entry.meta.copy()
+                if len(self._touches) >= MAX_PENDING_TOUCHES:
+                    await self._write_back([], now)
+            return entry.block
+        self._stats.dram_misses += 1
+        found = None
+        if self._ssd.contains(block_hash):
+            found = await self._on_ssd(self._ssd.get, block_hash, token_ids, retention)
+        if found is None:
+            self._stats.ssd_misses += 1
+            self._stats.misses += 1
+            return None
+        self._stats.ssd_hits += 1
+        block, meta = found
+        if block.nbytes <= self._dram.capacity_bytes:
+            self._stats.promotions += 1
+            pushed = self._dram.put(DramEntry(block, meta, on_ssd=True))
+            self._stats.dram_evictions += len(pushed)
+            await self._write_back(pushed, now)
+        return block
+
+    def where(self, block_hash: int) -> str | None:
+        """``"dram"``, ``"ssd"`` or None: which tier holds the hash (a hint; no I/O, tokens not checked)."""
+        check_hash(block_hash)
+        if block_hash in self._dram or block_hash in self._inflight:
+            return "dram"
+        return "ssd" if self._ssd.contains(block_hash) else None
+
+    # -- maintenance --------------------------------------------------------------------------------------
+    async def gc(self) -> GcReport:
+        """Drop expired blocks from both tiers and compact mostly-dead segments."""
+        self._check_open()
+        expired = self._dram.pop_expired(self._clock.now())
+        self._stats.dram_expiries += len(expired)
+        touches, self._touches = list(self._touches.items()), {}
+        ssd_expired, compacted = await self._on_ssd(self._ssd_gc, touches)
+        return GcReport(len(expired), ssd_expired, compacted)
+
+    def _ssd_gc(self, touches: list[tuple[int, BlockMeta]]) -> tuple[int, int]:
+        self._ssd.touch_many(touches)
+        return self._ssd.gc()
+
+    async def flush(self) -> None:
+        """Write every durable, unexpired DRAM block the SSD lacks, and pending extensions; return once durable.
+        Raises ``unavailable`` if the SSD write fails."""
+        self._check_open()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        now = self._clock.now()
+        entries = [e for e in self._dram.entries() if e.meta.is_durable and not e.meta.is_expired(now)
+                   and not (e.on_ssd and self._ssd.contains(e.block.block_hash))]
+        for e in self._dram.entries():
+            if e.on_ssd and e.meta.is_durable:
+                self._touches[e.block.block_hash] = e.meta.copy()
+        acked = set(await self._write_back(entries, now, flushing=True))
+        for entry in entries:
+            if entry.block.block_hash in acked and self._dram.peek(entry.block.block_hash) is entry:
+                entry.on_ssd = True
+        try:
+            await self._on_ssd(self._ssd.flush)
+        except OSError as exc:
+            raise DeepinferError(ErrorCode.UNAVAILABLE, f"block store SSD flush failed: {exc}") from exc
+
+    async def close(self) -> None:
+        """Flush, then close the SSD tier and its thread. Idempotent; a failed flush is logged, and the
+        store is closed regardless."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._flush()
+        except (DeepinferError, OSError) as exc:
+            logger.error("block store: flush at close failed: %s", exc)
+        finally:
+            await self._on_ssd(self._ssd.close)
+            self._executor.shutdown(wait=False)
+
+    def stats(self) -> dict[str, int | float]:
+        """A snapshot of every counter and gauge (``StoreStats``)."""
+        s = self._stats
+        s.dram_bytes, s.dram_blocks = self._dram.bytes_used, len(self._dram)
+        s.ssd_live_bytes, s.ssd_disk_bytes = self._ssd.live_bytes, self._ssd.disk_bytes
+        s.ssd_blocks, s.ssd_segments = self._ssd.num_blocks, self._ssd.num_segments
+        return s.as_dict()

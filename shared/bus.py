@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[Msg], Awaitable[None]]
 HAND_BACK_WAIT_S = 5.0  # after hand_back(), how long handlers get to publish their last chunk
+MAX_INFLIGHT_HANDLERS = 4096  # work handlers running at once per service; more are refused ``overloaded``
 
 
 async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None) -> nats.NATS:
@@ -69,8 +70,8 @@ async def reply_error(nc: nats.NATS, msg: Msg, err: DeepinferError) -> None:
 
 class ServiceRuntime:
     def __init__(self, nc: nats.NATS, info: protocol.WorkerInfo, *, heartbeat_s: float = 1.0,
-                 registry_ttl_s: float = 5.0) -> None:
-        self.nc, self.info = nc, info
+                 registry_ttl_s: float = 5.0, max_inflight: int = MAX_INFLIGHT_HANDLERS) -> None:
+        self.nc, self.info, self.max_inflight = nc, info, max_inflight
         self.heartbeat_s, self.registry_ttl_s = heartbeat_s, registry_ttl_s
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT; the service then shuts down
         self.error_counts: dict[str, int] = {}
@@ -85,11 +86,16 @@ class ServiceRuntime:
 
     async def serve(self, subject: str, handler: Handler, queue: str = "", work: bool = True) -> None:
         """Subscribe ``handler``; every message runs as a task with the one error contract. ``work`` handlers
-        are tracked for the drain and refused once draining; control handlers (``work=False``) always run."""
+        are tracked for the drain, at most ``max_inflight`` at once (more are refused ``overloaded``), and
+        refused once draining; control handlers (``work=False``) always run."""
         async def on_msg(msg: Msg) -> None:
             if work and self.draining:
                 await reply_error(self.nc, msg, DeepinferError(ErrorCode.UNAVAILABLE,
-                                                      f"{self.info.worker_id} is draining"))
+                                                               f"{self.info.worker_id} is draining"))
+                return
+            if work and len(self._inflight) >= self.max_inflight:
+                await reply_error(self.nc, msg, DeepinferError(
+                    ErrorCode.OVERLOADED, f"{self.info.worker_id} has {self.max_inflight} requests in hand"))
                 return
             task = asyncio.create_task(self._guard(subject, handler, msg))
             tasks = self._inflight if work else self._background

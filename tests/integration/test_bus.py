@@ -64,3 +64,27 @@ async def test_error_replies_carry_the_error_headers(nats_server):
         assert reply.headers["Di-Error-Code"] == "overloaded" and reply.headers["Nats-Service-Error-Code"] == "429"
     finally:
         await runtime.close()
+
+
+async def test_work_handlers_are_bounded(nats_server):
+    """More concurrent work than ``max_inflight`` is refused ``overloaded`` at once, not queued without bound."""
+    import asyncio as aio
+
+    nc = await connect(nats_server.url, "busy")
+    runtime = ServiceRuntime(nc, info("busy"), max_inflight=2)
+    release = aio.Event()
+
+    async def slow(msg):
+        await release.wait()
+        await msg.respond(protocol.encode(protocol.Ack()))
+
+    await runtime.serve("test.slow", slow)
+    try:
+        calls = [aio.create_task(nc.request("test.slow", b"", timeout=5)) for _ in range(5)]
+        await aio.sleep(0.3)
+        release.set()
+        answers = [protocol.decode(r.data, (protocol.Ack, protocol.ErrorReply)) for r in await aio.gather(*calls)]
+        refused = [a for a in answers if isinstance(a, protocol.ErrorReply)]
+        assert len(refused) == 3 and all(a.code == "overloaded" for a in refused)
+    finally:
+        await runtime.close()

@@ -1,0 +1,108 @@
+"""The cluster's control-plane wire messages: heartbeats (``LoadReport``), registry entries (``WorkerInfo``), KV
+events and snapshots for the router's KV index, and request probes. Same codec and rules as every message
+(``shared.wire_validation``); import them from ``shared.protocol``, which re-exports them."""
+from __future__ import annotations
+
+import math
+
+from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
+from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_message
+
+MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entries
+
+ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
+KV_EVENT_KINDS = ("stored", "removed", "cleared")
+KV_TIERS = ("device", "host", "disk", "cache_tier")  # a worker's pool, its host memory, its disk, the cache tier
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class RequestProbe(WireModel):
+    """Router -> worker on ``subjects.ctl(worker, "probe")``: do you still hold ``request_id``? The reply is an
+    ``Ack`` whose ``ok`` says so (a stream whose chunks stopped while no worker holds it lost its end in
+    transit)."""
+    request_id: str
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id)
+
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class LoadReport(WireModel):
+    """Heartbeat on ``subjects.load(worker_id)``: queue and KV-memory metrics."""
+    worker_id: str
+    role: str
+    model_id: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float                 # fraction of KV blocks in use, [0, 1]
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    transports: list[str]
+    host: str
+    timestamp: float
+    queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
+    draining: bool = False          # shutting down: finishes what it holds, takes nothing new
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_one_of("role", self.role, ROLES)
+        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
+                     "queued_prefill_tokens", "kv_event_seq"):
+            _check_range(name, getattr(self, name), 0)
+        _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
+        _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class WorkerInfo(WireModel):
+    """Registry entry, stored under ``worker_id`` in the ``subjects.REGISTRY_BUCKET`` KV bucket."""
+    worker_id: str
+    role: str
+    model_id: str
+    host: str
+    pid: int
+    transports: list[str]
+    block_size: int
+    started_at: float
+    draining: bool = False
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_one_of("role", self.role, ROLES)
+        _check_range("pid", self.pid, 0)
+        _check_range("block_size", self.block_size, 0)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class KVEvent(WireModel):
+    """Blocks ``stored`` / ``removed`` on, or all ``cleared`` from, one worker's tier. ``seq`` increases by
+    one per event per worker, so a gap tells the KV index to resync. Hashes are uint64."""
+    worker_id: str
+    seq: int
+    kind: str
+    block_hashes: list[int]
+    tier: str = "device"
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_range("seq", self.seq, 0)
+        _check_one_of("kind", self.kind, KV_EVENT_KINDS)
+        _require(not self.block_hashes or min(self.block_hashes) >= 0,
+                 "field 'block_hashes': hashes must be unsigned 64-bit ints")
+        _check_one_of("tier", self.tier, KV_TIERS)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class KVSnapshot(WireModel):
+    """Reply to ``subjects.ctl(worker, "kv_snapshot")``: every block hash the worker's device cache holds
+    as of event ``seq`` (the index resumes from ``seq + 1``)."""
+    worker_id: str
+    seq: int
+    block_hashes: list[int]
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)
+        _check_range("seq", self.seq, 0)

@@ -30,6 +30,7 @@ from pathlib import Path
 import nats
 
 from shared import protocol, subjects
+from shared.launcher import Cluster, ClusterSpec
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
@@ -54,6 +55,14 @@ def reference(folder: Path | str, prompts: list[list[int]], max_tokens: list[int
                                                            max_num_seqs=256, enable_prefix_caching=False))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     return engine.generate(prompts, params)
+
+
+def chaos_cluster(server, folder: Path | str, prefill: int, decode: int, drain_grace_s: str) -> Cluster:
+    """The chaos tests' cluster: real processes on the tiny float64 model, every prompt prefilled remotely unless
+    a request asks for local prefill, the given drain grace period."""
+    return Cluster(ClusterSpec(prefill=prefill, decode=decode, nats_url=server.url, model=str(folder),
+                               kv_cache_mb=32, local_prefill_threshold=0, dtype="float64",
+                               extra_env={"DEEPINFER_DRAIN_GRACE_S": drain_grace_s}))
 
 
 def wall_clock(t_monotonic: float) -> str:

@@ -34,10 +34,9 @@ import time
 import nats
 import pytest
 
-from shared.launcher import Cluster, ClusterSpec
 from shared import protocol
-from tests.chaos.harness import (Outcome, Window, log_grep, make_prompt, overlaps, probe_until_served, reference,
-                                 run_pool, stream_request, wall_clock)
+from tests.chaos.harness import (Outcome, Window, chaos_cluster, log_grep, make_prompt, overlaps, probe_until_served,
+                                 reference, run_pool, stream_request, wall_clock)
 from tests.integration.conftest import start_nats_server
 from tests.model_factory import write_tiny_hf_folder
 
@@ -81,9 +80,7 @@ def make_request(i: int, attempt: int) -> protocol.GenerateRequest:
 async def test_kill_and_restart_every_component_under_load(tmp_path):
     folder = write_tiny_hf_folder(tmp_path / "tiny", seed=9, max_position_embeddings=4096)
     server = start_nats_server()
-    cluster = Cluster(ClusterSpec(prefill=2, decode=2, nats_url=server.url, model=str(folder), kv_cache_mb=32,
-                                  local_prefill_threshold=0, dtype="float64",
-                                  extra_env={"DEEPINFER_DRAIN_GRACE_S": "2"}))
+    cluster = chaos_cluster(server, folder, prefill=2, decode=2, drain_grace_s="2")
     attempts: dict[int, list[Outcome]] = collections.defaultdict(list)
     lingering: list[asyncio.Task] = []
     windows: dict[str, Window] = {}
@@ -134,36 +131,30 @@ async def test_kill_and_restart_every_component_under_load(tmp_path):
             gates[0].set()
             await wait_phase_done(0)
 
-            await when_loaded(1)
-            windows[PHASES[1]] = w = Window(PHASES[1], time.monotonic())
-            cluster.kill("decode-0")
-            await cluster.wait_healthy([cluster.spawn_worker("decode", 2)], timeout=90)
-            w.t1 = await probe_until_served(nc, PROBE_PROMPT, 60, tag="probe-decode")
-            await wait_phase_done(1)
+            async def replace(role: str) -> None:  # SIGKILL <role>-0, start <role>-2
+                cluster.kill(f"{role}-0")
+                await cluster.wait_healthy([cluster.spawn_worker(role, 2)], timeout=90)
 
-            await when_loaded(2)
-            windows[PHASES[2]] = w = Window(PHASES[2], time.monotonic())
-            cluster.kill("prefill-0")
-            await cluster.wait_healthy([cluster.spawn_worker("prefill", 2)], timeout=90)
-            w.t1 = await probe_until_served(nc, PROBE_PROMPT, 60, tag="probe-prefill")
-            await wait_phase_done(2)
+            async def restart_router() -> None:
+                cluster.kill("router")
+                cluster.respawn_router()
+                await cluster.wait_healthy(["router"], timeout=90)
 
-            await when_loaded(3)
-            windows[PHASES[3]] = w = Window(PHASES[3], time.monotonic())
-            cluster.kill("router")
-            cluster.respawn_router()
-            await cluster.wait_healthy(["router"], timeout=90)
-            w.t1 = await probe_until_served(nc, PROBE_PROMPT, 60, tag="probe-router")
-            await wait_phase_done(3)
+            async def restart_nats() -> None:
+                server.stop()
+                await asyncio.sleep(1.0)
+                server.restart()
+                live = [name for name, p in cluster.procs.items() if p.poll() is None]
+                await cluster.wait_healthy(live, timeout=60)
 
-            await when_loaded(4)
-            windows[PHASES[4]] = w = Window(PHASES[4], time.monotonic())
-            server.stop()
-            await asyncio.sleep(1.0)
-            server.restart()
-            live = [name for name, p in cluster.procs.items() if p.poll() is None]
-            await cluster.wait_healthy(live, timeout=60)
-            w.t1 = await probe_until_served(nc, PROBE_PROMPT, 60, tag="probe-nats")
+            faults = [lambda: replace("decode"), lambda: replace("prefill"), restart_router, restart_nats]
+            for phase, fault in enumerate(faults, start=1):
+                await when_loaded(phase)
+                windows[PHASES[phase]] = w = Window(PHASES[phase], time.monotonic())
+                await fault()
+                w.t1 = await probe_until_served(nc, PROBE_PROMPT, 60, tag=f"probe-{phase}")
+                if phase < len(faults):  # the last phase's requests are awaited with the load below
+                    await wait_phase_done(phase)
         finally:
             for gate in gates:  # never leave a client waiting at a gate
                 gate.set()
@@ -278,9 +269,7 @@ async def test_chunks_lost_in_a_nats_restart_are_not_relayed_as_a_complete_strea
     long_tokens = 3000
     folder = write_tiny_hf_folder(tmp_path / "tiny", seed=9, max_position_embeddings=4096)
     server = start_nats_server()
-    cluster = Cluster(ClusterSpec(prefill=1, decode=1, nats_url=server.url, model=str(folder), kv_cache_mb=32,
-                                  local_prefill_threshold=0, dtype="float64",
-                                  extra_env={"DEEPINFER_DRAIN_GRACE_S": "2"}))
+    cluster = chaos_cluster(server, folder, prefill=1, decode=1, drain_grace_s="2")
     worker_chunks: collections.Counter[str] = collections.Counter()  # attempt id -> chunks seen on the wire
     client_back = asyncio.Event()  # this test's connection is on the restarted server
     after_restart = asyncio.Event()  # ... and saw a worker chunk there: the router (stopped) missed it

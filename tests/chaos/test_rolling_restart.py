@@ -22,10 +22,9 @@ import time
 
 import pytest
 
-from shared.launcher import Cluster, ClusterSpec
 from shared import protocol
-from tests.chaos.harness import (LoadWatcher, Outcome, log_counts, log_grep, make_prompt, reference, run_pool,
-                                 stream_request)
+from tests.chaos.harness import (LoadWatcher, Outcome, chaos_cluster, log_counts, log_grep, make_prompt, reference,
+                                 run_pool, stream_request)
 from tests.integration.conftest import connect, start_nats_server
 from tests.model_factory import write_tiny_hf_folder
 
@@ -52,9 +51,7 @@ def make_request(i: int) -> protocol.GenerateRequest:
 async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path):
     folder = write_tiny_hf_folder(tmp_path / "tiny", seed=9, max_position_embeddings=4096)
     server = start_nats_server()
-    cluster = Cluster(ClusterSpec(prefill=1, decode=2, nats_url=server.url, model=str(folder), kv_cache_mb=32,
-                                  local_prefill_threshold=0, dtype="float64",
-                                  extra_env={"DEEPINFER_DRAIN_GRACE_S": DRAIN_GRACE_S}))
+    cluster = chaos_cluster(server, folder, prefill=1, decode=2, drain_grace_s=DRAIN_GRACE_S)
     outcomes: list[Outcome] = []
     lingering: list[asyncio.Task] = []
     exit_codes: dict[str, int] = {}

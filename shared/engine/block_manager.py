@@ -142,6 +142,55 @@ class BlockManager:
         if stored and self.event_sink is not None:
             self.event_sink("stored", stored)
 
+    def cached_prefix(self, request: Request) -> int:
+        """How many leading full blocks of ``request`` the prefix cache holds now (read-only: no stats)."""
+        n = 0
+        for i, h in enumerate(request.block_hashes):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].key != block_key(request, i):
+                break
+            n += 1
+        return n
+
+    def import_cached(self, request: Request, first: int, count: int) -> list[int]:
+        """Make room for blocks ``[first, first + count)`` of ``request`` computed elsewhere (the cache tier)
+        and publish them in the prefix cache as free cached blocks; the caller writes their KV before the
+        next step. Returns the block ids, one per imported block (maybe fewer than ``count``: only free
+        blocks are used, and the request's cached prefix ``[0, first)`` is never evicted to make room).
+
+        The prefix blocks are touched first (moved to the LRU tail), the imported ones are queued behind
+        them in chain order (the first block most recently used), exactly as ``free`` leaves a finished
+        request's blocks."""
+        prefix = [self.cached[h] for h in request.block_hashes[:first] if h in self.cached]
+        for bid in reversed(prefix):
+            if self.blocks[bid].ref_cnt == 0:
+                self.free_queue.move_to_end(bid)
+        protected = sum(1 for b in prefix if self.blocks[b].ref_cnt == 0)
+        count = max(0, min(count, len(request.block_hashes) - first, len(self.free_queue) - protected))
+        ids, stored = [], []
+        for i in range(first, first + count):
+            h = request.block_hashes[i]
+            if h in self.cached:  # already here (a race with another request): stop, keep the chain simple
+                break
+            bid, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[bid]
+            if block.block_hash is not None and self.cached.get(block.block_hash) == bid:
+                del self.cached[block.block_hash]
+                if self.event_sink is not None:
+                    self.event_sink("removed", [block.block_hash])
+            block.block_hash, block.key = h, block_key(request, i)
+            self.cached[h] = bid
+            ids.append(bid)
+            stored.append(h)
+        for bid in reversed(ids):
+            self.free_queue[bid] = None   # free (ref 0) and cached, in chain order at the LRU tail
+        for bid in reversed(prefix):
+            if self.blocks[bid].ref_cnt == 0 and bid in self.free_queue:
+                self.free_queue.move_to_end(bid)
+        if stored and self.event_sink is not None:
+            self.event_sink("stored", stored)
+        return ids
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks (idempotent). Hashed blocks stay cached until evicted."""
         blocks = self.req_to_blocks.pop(request_id, [])

@@ -18,8 +18,6 @@ work is never lost.
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import time
 from typing import TYPE_CHECKING
 
@@ -69,9 +67,10 @@ def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: i
 
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
-                     params: SamplingParams, kv: torch.Tensor, cache_salt: str = "") -> bool:
+                     params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False) -> bool:
     """Admit a request prefilled elsewhere. Returns True if its KV was used, False if it was queued for
-    local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``."""
+    local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``.
+    ``hold_kv``: keep its blocks after it finishes (for write-back; see ``LLMEngine.release_held``)."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
     bs = engine.config.block_size
@@ -79,6 +78,7 @@ def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
                   str(kv.dtype).removeprefix("torch."))
     req = Request(request_id, prompt_token_ids, params, block_size=bs, model_id=engine.model.config.model_id,
                   cache_salt=cache_salt)
+    req.hold_kv = hold_kv
     if engine.tokenizer is not None:
         req.detokenizer = engine.tokenizer.incremental_decoder()
     req.stats.first_token_time = req.stats.arrival_time

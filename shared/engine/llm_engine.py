@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shared.engine import kv_handoff
+from shared.engine import kv_handoff, kv_tier
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
@@ -113,8 +113,20 @@ class LLMEngine:
         kv_handoff.check_handoff(self, prompt_token_ids, first_token, params, shape, dtype)
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                         params: SamplingParams, kv: torch.Tensor, cache_salt: str = "") -> bool:
-        return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt)
+                         params: SamplingParams, kv: torch.Tensor, cache_salt: str = "",
+                         hold_kv: bool = False) -> bool:
+        return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt,
+                                           hold_kv)
+
+    # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
+    def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, list[int]]:
+        return kv_tier.missing_blocks(self, prompt_token_ids, cache_salt)
+
+    def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor) -> int:
+        return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv)
+
+    def tier_blocks(self, request_id: str, first: int = 0) -> tuple[list[int], list[int], list[int]]:
+        return kv_tier.tier_blocks(self, request_id, first)
 
     def set_kv_event_sink(self, sink) -> None:
         """``sink(kind, hashes)`` hears every prefix-cache change (set before stepping starts)."""

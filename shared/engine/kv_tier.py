@@ -1,0 +1,82 @@
+"""The engine's side of the cache tier: which prompt blocks it lacks, importing blocks pulled from the tier,
+and naming a finished request's blocks for write-back. Workers call these through ``LLMEngine`` methods on
+the engine thread (``AsyncEngine.call``), so no step runs in between.
+
+Import: ``import_tier_blocks`` writes blocks ``[first, first + n)`` of a prompt into free blocks of the pool
+and publishes them in the prefix cache (keys compared on every hit, like any cached block). The worker then
+adds the request in the same engine command, so the scheduler's prefix lookup finds them before any
+eviction could: a tier hit reports ``cached_tokens`` exactly like a local hit, and greedy output equals the
+single-process engine's (the bytes are the KV that engine computed for the same tokens).
+
+Write-back: ``tier_blocks`` names the full blocks of a held request whose KV is computed (prompt blocks
+after prefill; prompt + output blocks when decoding finished), with their hashes and tokens.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import DeepinferError, ErrorCode
+
+if TYPE_CHECKING:
+    from shared.engine.llm_engine import LLMEngine
+
+_SCRATCH_PARAMS = SamplingParams(max_tokens=1)
+
+
+def scratch_request(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str) -> Request:
+    """A request object used only for its block hashes and keys (never scheduled)."""
+    return Request("~tier", prompt_token_ids, _SCRATCH_PARAMS, block_size=engine.config.block_size,
+                   model_id=engine.model.config.model_id, cache_salt=cache_salt)
+
+
+def reusable_blocks(engine: LLMEngine, prompt_token_ids: list[int]) -> int:
+    """How many leading full blocks of a prompt a cache may supply: at least one token is always computed
+    (its logits are needed), as in ``BlockManager.get_computed_blocks``."""
+    return max(0, (len(prompt_token_ids) - 1) // engine.config.block_size)
+
+
+def missing_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str) -> tuple[int, list[int]]:
+    """``(first, hashes)``: the prompt's reusable blocks from index ``first`` on are not in the local prefix
+    cache; ``hashes`` are the chained hashes of all its reusable blocks (what the tier is asked for)."""
+    req = scratch_request(engine, prompt_token_ids, cache_salt)
+    usable = reusable_blocks(engine, prompt_token_ids)
+    first = min(engine.block_manager.cached_prefix(req), usable) if engine.config.enable_prefix_caching else usable
+    return first, req.block_hashes[:usable]
+
+
+def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str, first: int,
+                       kv: torch.Tensor) -> int:
+    """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt) in the prefix cache;
+    returns how many were imported (fewer when the pool has no free room; 0 with prefix caching off)."""
+    want = [-1, *engine.kv_cache.shape[1:]]
+    if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != engine.kv_cache.dtype:
+        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "
+                             f"this engine's blocks {want[1:]} {engine.kv_cache.dtype}")
+    if not engine.config.enable_prefix_caching or kv.shape[0] == 0:
+        return 0
+    req = scratch_request(engine, prompt_token_ids, cache_salt)
+    count = min(int(kv.shape[0]), reusable_blocks(engine, prompt_token_ids) - first)
+    ids = engine.block_manager.import_cached(req, first, count)
+    if ids:
+        cache = engine.kv_cache
+        cache[torch.tensor(ids, dtype=torch.long, device=cache.device)] = kv[:len(ids)].to(cache)
+    return len(ids)
+
+
+def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[int], list[int], list[int]]:
+    """``(block_ids, hashes, token_ids)`` of a held request's computed full blocks from index ``first`` on;
+    ``token_ids`` is flat, ``block_size`` per block."""
+    req = engine.held.get(request_id)
+    if req is None:
+        raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+    bs = engine.config.block_size
+    req.update_block_hashes()
+    full = min(req.num_computed_tokens // bs, len(req.block_hashes))
+    first = max(0, first)
+    ids = engine.block_manager.block_ids(request_id)[first:full]
+    hashes = req.block_hashes[first:first + len(ids)]
+    return ids, hashes, req.all_token_ids[first * bs:(first + len(ids)) * bs]

@@ -27,22 +27,50 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="total KV capacity as a fraction of the trace's distinct blocks (default 0.3)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (0 = none)")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds (0 = none)")
-    p.add_argument("--cache-tier-blocks", type=int, default=0, help="shared cache tier capacity (0 = none)")
+    tier = p.add_argument_group("cache tier", "the shared DRAM + SSD block store (default: none); a DRAM block "
+                                "pushed out is written to SSD, an SSD hit is promoted into DRAM")
+    dram = tier.add_mutually_exclusive_group()
+    dram.add_argument("--tier-dram-blocks", type=int, default=None, metavar="N",
+                      help="tier DRAM capacity (default: 1/8 of the SSD's; 0 with an SSD = write-through)")
+    dram.add_argument("--cache-tier-blocks", type=int, default=None, metavar="N",
+                      help="older name of --tier-dram-blocks (alone: a DRAM-only tier of N blocks)")
+    ssd = tier.add_mutually_exclusive_group()
+    ssd.add_argument("--tier-ssd-blocks", type=int, default=0, metavar="N", help="tier SSD capacity in blocks")
+    ssd.add_argument("--tier-frac", type=float, default=None, metavar="F",
+                     help="tier SSD capacity as a fraction of the trace's distinct blocks")
+    tier.add_argument("--retention", default="chat", metavar="CLASS",
+                      help="retention class of every request (default chat)")
+    tier.add_argument("--retention-spec", default=None, metavar="SPEC",
+                      help="class ttls, e.g. 'chat=7d,agent=3d,none=0' (default: the block store's)")
     p.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
     p.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first (a later window)")
-    p.add_argument("--price-cached", type=float, default=0.02, help="per million cached input tokens")
+    p.add_argument("--price-cached", type=float, default=0.02,
+                   help="per million cached input tokens (accounting.Prices; the JSON's accounting ledger)")
     p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
     p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
-    p.add_argument("--plot", default=None, help="write the TTFT CDF of every policy to this PNG (matplotlib: the plot extra)")
+    p.add_argument("--plot", default=None,
+                   help="write the TTFT CDF of every policy to this PNG (matplotlib: the plot extra)")
     return p
+
+
+def tier_blocks(args: argparse.Namespace, distinct: int) -> tuple[int, int]:
+    """(DRAM, SSD) tier capacities in blocks from the flags. DRAM defaults to 1/8 of the SSD (host DRAM to
+    NVMe capacity of a typical storage node)."""
+    ssd = math.ceil(args.tier_frac * distinct) if args.tier_frac is not None else args.tier_ssd_blocks
+    if args.cache_tier_blocks is not None:
+        return args.cache_tier_blocks, ssd
+    return (args.tier_dram_blocks if args.tier_dram_blocks is not None else math.ceil(ssd / 8)), ssd
 
 
 def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     """Run the subcommand; all terminal output goes through ``emit`` (print-like; the CLI passes print)."""
+    from shared.accounting import Prices
+    from shared.errors import DeepinferError
+    from shared.kv.store.retention import RetentionPolicy
     from shared.sched.policies import POLICIES
     from shared.sched.simulator import (distinct_blocks, format_table, json_line, load_trace, plot_ttft_cdf,
                                         simulate)
@@ -66,14 +94,26 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     cap = args.kv_capacity_blocks
     if cap is None:
         cap = max(1, math.ceil(args.kv_capacity_frac * distinct_blocks(trace) / (workers + prefill)))
+    dram, ssd = tier_blocks(args, distinct_blocks(trace))
+    try:
+        retention_policy = RetentionPolicy.from_spec(args.retention_spec) if args.retention_spec else None
+        prices = Prices(args.price_cached, args.price_uncached, args.price_output)
+        if min(dram, ssd) < 0:
+            raise ValueError(f"tier capacities must be >= 0 blocks, got dram={dram} ssd={ssd}")
+        (retention_policy or RetentionPolicy()).ttl(args.retention)
+    except (DeepinferError, ValueError) as err:
+        emit(f"deepinfer simulate: {err}", file=sys.stderr)
+        return 2
+    common = dict(num_workers=workers, kv_capacity_blocks=cap, ttft_slo_s=args.ttft_slo or None,
+                  tpot_slo_s=args.tpot_slo or None, seed=args.seed, speed=args.speed, prefill_workers=prefill,
+                  block_size=args.block_size, prices=prices, retention=args.retention,
+                  retention_policy=retention_policy)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        res = simulate(trace, name, args.profile, num_workers=workers, kv_capacity_blocks=cap,
-                       ttft_slo_s=args.ttft_slo or None, tpot_slo_s=args.tpot_slo or None,
-                       cache_tier_blocks=args.cache_tier_blocks, seed=args.seed, speed=args.speed,
-                       prefill_workers=prefill, block_size=args.block_size, price_cached_per_m=args.price_cached,
-                       price_uncached_per_m=args.price_uncached, price_output_per_m=args.price_output)
+        res = simulate(trace, name, args.profile, tier_dram_blocks=dram, tier_ssd_blocks=ssd, **common)
+        if dram or ssd:  # the same run without the tier
+            res["hit_rate_no_tier"] = simulate(trace, name, args.profile, **common)["hit_rate"]
         results.append(res)
         emit(json_line(res), flush=True)
         emit(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)

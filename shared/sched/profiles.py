@@ -5,7 +5,7 @@ policies see, so the simulator and the router's policies reason with the same nu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ class Profile:
     decode_per_seq_s: float
     decode_per_kv_token_s: float
     kv_bytes_per_token: int
-    transfer_gbps: float  # GB/s from the cache tier / between workers
+    transfer_gbps: float  # GB/s of a KV hand-off between two workers
     chunk_tokens: int = 8192  # token budget of one step (the engine's max_num_batched_tokens)
     max_num_seqs: int = 256  # running requests per worker (the engine's max_num_seqs)
     # A prefill chunk of c tokens after ctx tokens already in the KV costs a*c^2 + ctx_a*c*ctx + b*c (plus the
@@ -33,6 +33,14 @@ class Profile:
     gpus_per_worker: int = 1
     price_per_gpu_hour: float = 0.0  # informational (cost of the hardware)
     note: str = ""
+    # GB/s of pulling a block from the cache tier's DRAM / SSD to a worker (required, keyword-only)
+    tier_dram_gbps: float = field(kw_only=True)
+    tier_ssd_gbps: float = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("transfer_gbps", "tier_dram_gbps", "tier_ssd_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"profile {self.name}: {name} must be > 0, got {getattr(self, name)!r}")
 
     def prefill_s(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.prefill_a * tokens * tokens + self.prefill_b * tokens + self.prefill_c
@@ -51,7 +59,13 @@ class Profile:
         return self.kv_bytes_per_token * block_size
 
     def block_transfer_s(self, block_size: int) -> float:
+        """Seconds to hand one block from worker to worker."""
         return self.block_bytes(block_size) / (self.transfer_gbps * 1e9)
+
+    def tier_block_s(self, tier: str, block_size: int) -> float:
+        """Seconds to pull one block from the cache tier's ``"dram"`` or ``"ssd"`` to a worker."""
+        gbps = {"dram": self.tier_dram_gbps, "ssd": self.tier_ssd_gbps}[tier]
+        return self.block_bytes(block_size) / (gbps * 1e9)
 
     def cost_model(self, block_size: int, typical_batch: int = 16, typical_kv_tokens: int = 16 * 16384) -> CostModel:
         return CostModel(prefill_a=self.prefill_a, prefill_b=self.prefill_b, prefill_c=self.prefill_c,
@@ -123,9 +137,15 @@ SMOLLM2_CPU_DECODE = (0.0488, 0.00383, 8.76e-6)  # base s, per sequence s, per K
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp32: 2 * 30 * 3 * 64 * 4 bytes per token.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
+# Cache tier on the same host. DRAM: a pull is a copy out of the tier process's shared memory, like the shm
+# hand-off: 3.4 GB/s (../shared/PEERS.md: shm 2.7-4.7, NIXL 3.5-4.9 between two processes; a one-process
+# numpy memcpy of 256 MiB measured 12.9 GB/s median here on 2026-12-03 is the ceiling). SSD: O_DIRECT
+# sequential 8 MiB reads of a 1 GiB file on this machine's disk measured 1.75-2.1 GB/s (2026-12-03); the copy
+# to the worker overlaps the next read, so the disk bounds it: 1.8.
 SMOLLM2_CPU = Profile(
     "smollm2-cpu", *SMOLLM2_CPU_PREFILL, *SMOLLM2_CPU_DECODE,
     kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN, transfer_gbps=3.4,  # shared-memory / NIXL loopback (PEERS.md)
+    tier_dram_gbps=3.4, tier_ssd_gbps=1.8,
     chunk_tokens=1024, max_num_seqs=64, prefill_ctx_a=SMOLLM2_CPU_PREFILL_CTX_A, gpus_per_worker=1,
     price_per_gpu_hour=0.0,
     note="measured: SmolLM2-135M fp32, one thread per worker on a 2-core CPU")
@@ -147,7 +167,12 @@ LLAMA70B_H200 = Profile(
     decode_base_s=2 * _PARAMS / _HBM + 0.003,  # read all weights once per step + ~3 ms TP all-reduce/launch
     decode_per_seq_s=2 * _PARAMS / (_TP * 989e12 * 0.25),  # matmul FLOPs per sequence at lower MFU
     decode_per_kv_token_s=LLAMA70B_KV_BYTES_PER_TOKEN / _HBM,  # read each cached token's K and V
-    kv_bytes_per_token=LLAMA70B_KV_BYTES_PER_TOKEN, transfer_gbps=50.0,  # cache tier / interconnect
+    kv_bytes_per_token=LLAMA70B_KV_BYTES_PER_TOKEN, transfer_gbps=50.0,  # worker-to-worker interconnect
+    # Cache tier: separate storage nodes reached over one 400 Gb/s-class NIC per worker (ConnectX-7 / RDMA:
+    # 50 GB/s line rate, ~80% achieved = 40 GB/s from DRAM). SSD: two PCIe 4.0 NVMe drives striped per
+    # storage node serving a pull, ~7 GB/s sequential read each at ~85% for 168 MB blocks = 12 GB/s (the NIC is
+    # not the bottleneck there).
+    tier_dram_gbps=40.0, tier_ssd_gbps=12.0,
     chunk_tokens=8192, gpus_per_worker=_TP, price_per_gpu_hour=3.0,
     note="roofline: Llama-70B-class bf16, TP8 on H200 per worker")
 

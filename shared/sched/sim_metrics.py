@@ -7,9 +7,12 @@ from typing import Sequence
 
 import numpy as np
 
+from shared.accounting import DEFAULT_TENANT, Ledger, Prices
+
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
     ("hit", "hit_rate", "{:.3f}"),
+    ("hit no-tier", "hit_rate_no_tier", "{:.3f}"),
     ("hit/ideal", "hit_vs_ideal", "{:.2f}"),
     ("ttft p50", "ttft_p50_s", "{:.3f}"),
     ("ttft p90", "ttft_p90_s", "{:.3f}"),
@@ -71,6 +74,21 @@ def served_metrics(served: Sequence[Served], requests: int, makespan_s: float, t
     return res
 
 
+def account(done, block_size: int, retention: str, prices: Prices) -> tuple[list[Served], Ledger]:
+    """``Served`` rows and the accounting ledger (tenant ``default``, class ``retention``) of simulated
+    requests ``done``: ``(request, end_s)`` with ``request.tr`` its trace row, ``first_s`` its first token,
+    ``hit`` its cached blocks and ``tier_tokens`` what it pulled from each cache tier."""
+    ledger = Ledger(prices)
+    served = []
+    for r, end in done:
+        cached = min(r.tr.input_length, r.hit * block_size)
+        served.append(Served(r.first_s - r.tr.arrival_s,
+                             (end - r.first_s) / (r.tr.output_length - 1) if r.tr.output_length > 1 else None,
+                             r.tr.input_length, cached, r.tr.output_length))
+        ledger.record(DEFAULT_TENANT, retention, r.tr.input_length, cached, r.tr.output_length, r.tier_tokens)
+    return served, ledger
+
+
 def ideal_hit_rate(trace) -> float:
     """Fraction of blocks whose id appeared in an earlier request (one infinite cache)."""
     seen: set[int] = set()
@@ -92,16 +110,22 @@ def _fmt(fmt: str, v) -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    """One row per run (policy); ideal hit rate and configuration in a header line."""
+    """One row per run (policy); ideal hit rate and configuration in a header line. The ``hit no-tier``
+    column appears when some run reports ``hit_rate_no_tier`` (the same run without the cache tier)."""
     if not results:
         return "(no results)"
     r0 = results[0]
+    tier = f"dram {r0.get('tier_dram_blocks', 0)} + ssd {r0.get('tier_ssd_blocks', 0)} blocks"
+    if r0.get("retention"):
+        tier += f" ({r0['retention']})"
     head = (f"profile={r0['profile']} workers={r0['workers']} kv_blocks/worker={r0['kv_capacity_blocks']} "
-            f"tier={r0['cache_tier_blocks']} ttft_slo={r0['ttft_slo_s']}s tpot_slo={r0['tpot_slo_s']}s "
+            f"tier={tier} ttft_slo={r0['ttft_slo_s']}s tpot_slo={r0['tpot_slo_s']}s "
             f"speed={r0['speed']} requests={r0['requests']} ideal_hit={r0['ideal_hit_rate']:.3f}")
-    rows = [[name for name, _, _ in TABLE_COLUMNS]]
-    rows += [[_fmt(fmt, r.get(key)) for _, key, fmt in TABLE_COLUMNS] for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    columns = [c for c in TABLE_COLUMNS if c[1] != "hit_rate_no_tier"
+               or any(r.get("hit_rate_no_tier") is not None for r in results)]
+    rows = [[name for name, _, _ in columns]]
+    rows += [[_fmt(fmt, r.get(key)) for _, key, fmt in columns] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [head]
     for j, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))

@@ -12,12 +12,14 @@ from shared.sched.trace import TraceRequest
 
 
 class _Req:
-    __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_blocks", "uncached", "done", "first_s",
-                 "generated", "pinned", "private", "total_blocks")
+    __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_s", "tier_tokens", "uncached", "done",
+                 "first_s", "generated", "pinned", "private", "total_blocks")
 
     def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
         self.tr, self.decode_w, self.est = tr, decode_w, est
-        self.local = self.hit = self.pull_blocks = self.uncached = self.done = self.generated = 0
+        self.local = self.hit = self.uncached = self.done = self.generated = 0
+        self.pull_s = 0.0  # seconds to pull the cache tier's blocks beyond the local prefix
+        self.tier_tokens: dict[str, int] = {}  # prompt tokens pulled from the tier: "dram" / "ssd" -> tokens
         self.first_s: float | None = None
         self.pinned: tuple[int, ...] = ()
         self.private = self.total_blocks = 0

@@ -2,22 +2,29 @@
 
 Each worker has a KV cache of ``kv_capacity_blocks`` blocks (a block is a trace hash id, 512 tokens), LRU
 eviction of unreferenced blocks, a FIFO prefill queue (chunked prefill, one request at a time, mixed with
-decode) and continuous batched decode. An optional shared cache tier (LRU) serves prefixes at the profile's
-transfer bandwidth. No wall clock: same inputs and seed, same output.
+decode) and continuous batched decode. An optional shared cache tier (``sim_tier.SimTier``: the block
+store's DRAM + SSD model with retention classes) serves prefixes at the profile's tier bandwidths: a
+placement sees its prefix as ``remote_overlap`` at the mean pull cost of the blocks it would serve, a request
+pulls the tier blocks beyond its worker's own prefix when admitted, and every block of a request is written
+into the tier (with the run's retention class) once its prefill completes. No wall clock: same inputs and
+seed, same output.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import inspect
 import math
-from collections import OrderedDict
 
+from shared.accounting import Prices
+from shared.kv.store.retention import RetentionPolicy
 from shared.sched.placement import place_request
 from shared.sched.policies import make_policy
 from shared.sched.profiles import Profile, get_profile
-from shared.sched.sim_metrics import (Served, distinct_blocks, format_table, ideal_hit_rate, json_line,
+from shared.sched.sim_metrics import (account, distinct_blocks, format_table, ideal_hit_rate, json_line,
                                       plot_ttft_cdf, served_metrics)
 from shared.sched.sim_state import _Req, _Worker
+from shared.sched.sim_tier import SimTier
 from shared.sched.trace import TraceRequest, load_trace
 from shared.sched.types import ClusterView, Placement, RequestInfo, WorkerView
 
@@ -28,14 +35,15 @@ _STEP, _HANDOFF, _ARRIVAL = 0, 1, 2  # event kinds; equal times: finish work bef
 
 class _Sim:
     def __init__(self, trace, policy, profile: Profile, num_workers: int, prefill_workers: int,
-                 kv_capacity_blocks: int, ttft_slo_s: float | None, cache_tier_blocks: int, block_size: int):
+                 kv_capacity_blocks: int, ttft_slo_s: float | None, tier: SimTier, retention: str,
+                 block_size: int):
         self.trace, self.policy, self.p, self.bs = trace, policy, profile, block_size
         self.ttft_slo = ttft_slo_s
         roles = ["prefill"] * prefill_workers + (["decode"] if prefill_workers else ["both"]) * num_workers
         self.workers = [_Worker(i, role, kv_capacity_blocks) for i, role in enumerate(roles)]
         self.by_id = {w.wid: w for w in self.workers}
-        self.tier_cap = cache_tier_blocks
-        self.tier: OrderedDict[int, None] = OrderedDict()
+        self.tier, self.retention = tier, retention
+        self.tier_hits = {"dram": 0, "ssd": 0}  # blocks pulled from each tier
         self.cost = profile.cost_model(block_size)
         self.block_s = profile.block_transfer_s(block_size)
         self.events: list = []
@@ -51,14 +59,6 @@ class _Sim:
         self.seq += 1
         heapq.heappush(self.events, (t, kind, self.seq, data))
 
-    def tier_prefix(self, hashes) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.tier:
-                break
-            n += 1
-        return n
-
     # --- arrivals ---------------------------------------------------------------------------------------
     def view(self, tr: TraceRequest) -> ClusterView:
         views, overlap = [], {}
@@ -69,8 +69,11 @@ class _Sim:
             overlap[w.wid] = w.prefix(tr.hash_ids)
         pre = tuple(v for v in views if v.role in ("prefill", "both"))
         dec = tuple(v for v in views if v.role == "decode")
-        remote = self.tier_prefix(tr.hash_ids) if self.tier_cap else 0
-        return ClusterView(pre, dec, overlap, remote, self.cost)
+        if not self.tier.enabled:
+            return ClusterView(pre, dec, overlap, 0, self.cost)
+        held = self.tier.prefix(tr.hash_ids, self.now)
+        cost = dataclasses.replace(self.cost, block_transfer_s=held.block_s()) if held.blocks else self.cost
+        return ClusterView(pre, dec, overlap, held.blocks, cost)
 
     def arrive(self, tr: TraceRequest) -> None:
         view = self.view(tr)
@@ -113,11 +116,9 @@ class _Sim:
         r.pinned, r.private, r.total_blocks, r.local = hashes[:local], need, total, local
         w.private += need
         w.evict()
-        tier = self.tier_prefix(hashes) if self.tier_cap else 0
-        for h in reversed(hashes[:tier]):
-            self.tier.move_to_end(h)
-        r.hit = max(local, tier)
-        r.pull_blocks = max(0, tier - local)
+        if self.tier.enabled:
+            self.pull(r, local)
+        r.hit = max(local, r.hit)
         r.uncached = max(1, r.tr.input_length - r.hit * self.bs)
         self.hit_blocks += r.hit
         self.local_blocks += local
@@ -126,9 +127,19 @@ class _Sim:
         w.prefill_left += r.uncached
         return r
 
+    def pull(self, r: _Req, local: int) -> None:
+        """``r`` (admitted where it holds ``local`` blocks) pulls the tier's blocks beyond them; its first
+        prefill chunk pays the pull time."""
+        held = self.tier.prefix(r.tr.hash_ids, self.now)
+        if held.blocks > local:
+            r.hit, r.pull_s = held.blocks, held.pull_s(local)
+            r.tier_tokens = held.tokens(local, r.tr.input_length, self.bs)
+            for src, n in self.tier.use(r.tr.hash_ids[local:held.blocks], self.retention, self.now).items():
+                self.tier_hits[src] += n
+
     def _chunk_s(self, r: _Req, c: int) -> float:
         ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
-        return self.p.chunk_s(ctx, c) + (r.pull_blocks * self.block_s if r.done == 0 else 0.0)
+        return self.p.chunk_s(ctx, c) + (r.pull_s if r.done == 0 else 0.0)
 
     def plan(self, w: _Worker) -> None:
         """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
@@ -204,12 +215,8 @@ class _Sim:
         r.private -= len(hashes) - r.local
         r.pinned = hashes
         w.evict()
-        if self.tier_cap:
-            for h in reversed(hashes):
-                self.tier[h] = None
-                self.tier.move_to_end(h)
-            while len(self.tier) > self.tier_cap:
-                self.tier.popitem(last=False)
+        if self.tier.enabled:
+            self.tier.put(hashes[::-1], self.retention, self.now)  # tail first: the head is the most recent
         if r.decode_w != w.idx:  # disaggregated: ship the KV to the decode worker
             w.running.remove(r)
             w.release(r)
@@ -276,43 +283,52 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
              num_workers: int = 8, kv_capacity_blocks: int | None = None, ttft_slo_s: float | None = 2.0,
              tpot_slo_s: float | None = 0.05, cache_tier_blocks: int = 0, seed: int = 0, speed: float = 1.0,
              prefill_workers: int = 0, block_size: int = 512, kv_capacity_frac: float = 0.3,
-             price_cached_per_m: float = 0.02, price_uncached_per_m: float = 1.0,
-             price_output_per_m: float = 0.0) -> dict:
+             prices: Prices | None = None, tier_dram_blocks: int = 0, tier_ssd_blocks: int = 0,
+             retention: str = "chat", retention_policy: RetentionPolicy | None = None) -> dict:
     """Replay ``trace`` (already loaded; ``speed`` is recorded, apply it in ``load_trace``) and return metrics.
 
     ``num_workers`` aggregated workers, or with ``prefill_workers`` > 0: that many prefill workers plus
     ``num_workers`` decode workers. ``kv_capacity_blocks`` is per worker; None: ``kv_capacity_frac`` of the
-    trace's distinct blocks spread over the workers.
+    trace's distinct blocks spread over the workers. The cache tier holds ``tier_dram_blocks`` in DRAM and
+    ``tier_ssd_blocks`` on SSD (both 0: no tier); ``cache_tier_blocks`` is the older name of a DRAM-only tier
+    (same as ``tier_dram_blocks``). Every request has retention class ``retention`` of ``retention_policy``
+    (default: chat 7 d, agent 3 d, none 0) and tenant ``default`` in the ``accounting`` ledger.
     """
+    if cache_tier_blocks and tier_dram_blocks:
+        raise ValueError("give cache_tier_blocks (a DRAM-only tier) or tier_dram_blocks, not both")
+    tier_dram_blocks = tier_dram_blocks or cache_tier_blocks
     prof = get_profile(profile) if isinstance(profile, str) else profile
+    retention_policy = retention_policy or RetentionPolicy()
+    retention_policy.ttl(retention)  # an unknown class raises invalid_request
+    tier = SimTier(tier_dram_blocks, tier_ssd_blocks, retention_policy, prof.tier_block_s("dram", block_size),
+                   prof.tier_block_s("ssd", block_size))
     ndist = distinct_blocks(trace)
     if kv_capacity_blocks is None:
         kv_capacity_blocks = max(1, math.ceil(kv_capacity_frac * ndist / (num_workers + prefill_workers)))
     sim = _Sim(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
-               ttft_slo_s, cache_tier_blocks, block_size)
+               ttft_slo_s, tier, retention, block_size)
     sim.run()
-    served = [Served(r.first_s - r.tr.arrival_s,
-                     (end - r.first_s) / (r.tr.output_length - 1) if r.tr.output_length > 1 else None,
-                     r.tr.input_length, min(r.tr.input_length, r.hit * block_size), r.tr.output_length)
-              for r, end in sim.done]
+    served, ledger = account(sim.done, block_size, retention, prices or Prices())
     start = trace[0].arrival_s if trace else 0.0
     makespan = max([end for _, end in sim.done] + [sim.now]) - start if trace else 0.0
     res = {
         "policy": policy_name, "profile": prof.name, "workers": num_workers, "prefill_workers": prefill_workers,
-        "kv_capacity_blocks": kv_capacity_blocks, "cache_tier_blocks": cache_tier_blocks, "seed": seed,
-        "speed": speed, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "requests": len(trace),
-        "served": len(sim.done), "rejected": sim.rejected, "distinct_blocks": ndist,
+        "kv_capacity_blocks": kv_capacity_blocks, "tier_dram_blocks": tier_dram_blocks,
+        "tier_ssd_blocks": tier_ssd_blocks, "retention": retention, "seed": seed, "speed": speed,
+        "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "requests": len(trace), "served": len(sim.done),
+        "rejected": sim.rejected, "distinct_blocks": ndist,
         **served_metrics(served, len(trace), makespan, ttft_slo_s, tpot_slo_s),
     }
     ideal = ideal_hit_rate(trace)
     hit = sim.hit_blocks / sim.total_blocks if sim.total_blocks else 0.0
     gpu_hours = len(sim.workers) * prof.gpus_per_worker * makespan / 3600.0
-    revenue = (res["cached_input_tokens"] * price_cached_per_m + res["uncached_input_tokens"] * price_uncached_per_m
-               + res["output_tokens"] * price_output_per_m) / 1e6
+    revenue = ledger.prices.cost(ledger.total.cached_tokens, ledger.total.uncached_tokens, ledger.total.output_tokens)
     res.update({
         "hit_rate": round(hit, 6), "local_hit_rate": round(sim.local_blocks / max(1, sim.total_blocks), 6),
         "ideal_hit_rate": round(ideal, 6), "hit_vs_ideal": round(hit / ideal, 6) if ideal else None,
+        "tier_hit_blocks": dict(sim.tier_hits), "tier": tier.counters() if tier.enabled else {},
         "gpu_hours": round(gpu_hours, 6), "revenue": round(revenue, 6),
         "revenue_per_gpu_hour": round(revenue / gpu_hours, 6) if gpu_hours else 0.0,
+        "accounting": ledger.as_dict(),
     })
     return res

@@ -128,7 +128,8 @@ def test_mixed_steps_follow_the_engines_token_budget():
     """A long prompt arriving mid-decode is chunked at the step budget and stalls the decode it shares steps
     with, exactly as the engine's scheduler runs them (times worked out by hand from the profile)."""
     prof = Profile("hand", prefill_a=0.0, prefill_b=1e-3, prefill_c=0.1, decode_base_s=0.05, decode_per_seq_s=0.0,
-                   decode_per_kv_token_s=0.0, kv_bytes_per_token=1, transfer_gbps=1.0, chunk_tokens=100)
+                   decode_per_kv_token_s=0.0, kv_bytes_per_token=1, transfer_gbps=1.0, chunk_tokens=100,
+                   tier_dram_gbps=1.0, tier_ssd_gbps=1.0)
     tr = [TraceRequest(0, 0.0, 10, 4, (1,)), TraceRequest(1, 0.15, 250, 2, tuple(range(10, 26)))]
     res = simulate(tr, "round_robin", prof, num_workers=1, kv_capacity_blocks=1000, block_size=16)
     # A: prefill 0.1+0.010 -> first token 0.11; decode step to 0.16; two mixed steps (A's decode + 99 of B's

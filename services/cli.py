@@ -1,7 +1,8 @@
 """The ``deepinfer`` command: the only module allowed to print (everything else logs).
 
 Subcommands: ``generate`` (in-process engine, or ``--url`` a running cluster), ``demo`` (in-process, one chat
-request), ``up`` (embedded cluster: nats-server, router, prefill and decode workers), ``serve <service>``.
+request), ``up`` (embedded cluster: nats-server, router, cache tier, prefill and decode workers), ``serve
+<service>``, ``status`` (a running cluster's services, hit rates and accounting), ``simulate``, ``bench``.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import json
 import logging
 import signal
 import sys
@@ -101,14 +103,15 @@ async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dic
 async def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
-                       policy=args.policy, ttft_slo_s=args.ttft_slo)
+                       policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
+                       cache_tier_dir=args.cache_tier_dir or "")
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        print(f"starting: nats-server, router, {spec.prefill} prefill, {spec.decode} decode "
+        print(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
               f"(logs in {cluster.log_dir}) ...", flush=True)
         await cluster.start()
         print(f"deepinfer is up\n  NATS      {cluster.nats_url}\n  API       di.v1.generate (msgpack; see README)\n"
@@ -139,8 +142,20 @@ def run_remote_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _status(args: argparse.Namespace) -> int:
+    from shared import status
+
+    nc = await connect(args.url, "deepinfer-status")
+    try:
+        report = await status.collect(nc, listen_s=args.listen)
+    finally:
+        await nc.close()
+    print(json.dumps(report, sort_keys=True) if args.json else status.format_status(report))
+    return 0 if report["services"] else 1
+
+
 def run_serve(args: argparse.Namespace, extra: list[str]) -> int:
-    module = importlib.import_module(f"services.{args.service}.__main__")
+    module = importlib.import_module(f"services.{args.service.replace('-', '_')}.__main__")
     with contextlib.suppress(KeyboardInterrupt):
         module.main(extra)
     return 0
@@ -188,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
     up.add_argument("--ttft-slo", type=float, default=0.0, metavar="S",
                     help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
+    up.add_argument("--cache-tier", type=int, default=1, metavar="N",
+                    help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
+    up.add_argument("--cache-tier-dir", default=None,
+                    help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
@@ -196,8 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cmd.add_parser(sub)
     trace_bench.add_parser(sub)
 
+    st = sub.add_parser("status", help="workers, cache tiers, hit rates and accounting of a running cluster")
+    st.add_argument("--url", required=True, help="the cluster's NATS URL (nats://...)")
+    st.add_argument("--listen", type=float, default=1.5, help="seconds to listen for heartbeats")
+    st.add_argument("--json", action="store_true", help="print the raw report as JSON")
+
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
-    serve.add_argument("service", choices=["router", "prefill", "decode"])
+    serve.add_argument("service", choices=["router", "prefill", "decode", "cache-tier"])
     return parser
 
 
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_up(args)
         if args.command == "serve":
             return run_serve(args, extra)
+        if args.command == "status":
+            return asyncio.run(_status(args))
         if args.command in ("simulate", "bench"):
             from benchmarks import simulate_cmd, trace_bench
 

@@ -35,8 +35,13 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     handoff_timeout_s: float = 30.0
     drain_grace_s: float = 20.0  # on SIGTERM: how long in-flight requests may finish before being handed back
+    cache_tier: str = ""  # id of the cache tier service to pull from and write back to ("" = none)
+    tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
+    tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
 
     def __post_init__(self) -> None:
+        if self.tier_timeout_s <= 0 or self.tier_write_queue < 0:
+            raise ValueError("tier_timeout_s must be positive and tier_write_queue >= 0")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if not self.worker_id:
@@ -61,8 +66,14 @@ class RouterConfig:
     profile: str = "smollm2-cpu"  # step-time model the policies predict with (shared/sched/profiles.py)
     block_size: int = 16  # the workers' KV block size (tokens), for the profile's per-block transfer time
     drain_grace_s: float = 20.0  # on SIGTERM: how long relayed streams may finish before being cancelled
+    retention: str = "chat=7d,agent=3d,none=0"  # the deployment's retention classes (as the cache tier's)
+    chat_retention: str = "chat"  # class of a chat request (``messages``) that names none
+    prompt_retention: str = "none"  # class of a raw prompt request that names none
+    price_cached: float = 0.02  # per million cached prompt tokens (accounting, ``deepinfer status``)
+    price_uncached: float = 1.0  # per million uncached prompt tokens
 
     def __post_init__(self) -> None:
+        from shared.kv.store.retention import RetentionPolicy
         from shared.sched.policies import POLICIES
         from shared.sched.profiles import PROFILES
 
@@ -76,6 +87,43 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        classes = RetentionPolicy.from_spec(self.retention).ttl_s
+        if self.chat_retention not in classes or self.prompt_retention not in classes:
+            raise ValueError(f"chat_retention and prompt_retention must be among {sorted(classes)}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTierConfig:
+    """The cache tier service (``services/cache_tier``): one block store (DRAM + SSD directory) per instance."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    worker_id: str = ""
+    directory: str = ""  # SSD tier directory ("" = ~/.cache/deepinfer/cache-tier/<worker_id>)
+    dram_mb: int = 1024
+    ssd_mb: int = 65536
+    segment_mb: int = 64
+    fsync: str = "batch"  # always | batch | never (see shared/kv/store/config.py)
+    retention: str = "chat=7d,agent=3d,none=0"  # class=ttl list; the deployment's retention classes
+    transports: str = "shm,nixl,stream"  # offered (when available here), in preference order
+    heartbeat_s: float = 1.0
+    gc_interval_s: float = 60.0  # GC (expiry + compaction) and KV-event removals this often
+    stage_ttl_s: float = 30.0  # a get's staging is released after this even without a CacheRelease
+    fetch_timeout_s: float = 10.0  # a put's KV fetch from the worker
+    max_staged_mb: int = 1024  # bytes staged for gets at once; a get that does not fit is answered 0 blocks
+    price_cached: float = 0.02  # per million cached prompt tokens (accounting)
+    price_uncached: float = 1.0  # per million uncached prompt tokens
+    drain_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"cache-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        if not self.directory:
+            path = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier", self.worker_id)
+            object.__setattr__(self, "directory", path)
+        if (self.dram_mb < 0 or self.ssd_mb <= 0 or self.segment_mb <= 0 or self.heartbeat_s <= 0
+                or self.gc_interval_s <= 0 or self.stage_ttl_s <= 0 or self.fetch_timeout_s <= 0
+                or self.max_staged_mb <= 0 or self.drain_grace_s < 0):
+            raise ValueError("invalid cache tier config")
 
 
 def _parse(kind: type, text: str) -> Any:

@@ -1,4 +1,4 @@
-"""Starting a whole cluster on one machine: embedded nats-server + router + prefill + decode processes.
+"""Starting a whole cluster on one machine: embedded nats-server + router + cache tier + prefill + decode.
 
 Used by ``deepinfer up`` and by the integration tests. Invariants: ``start()`` returns only when every
 worker has heartbeated (or raises after its timeout with the failing worker's log tail); ``stop()`` is
@@ -40,6 +40,14 @@ class ClusterSpec:
     ttft_slo_s: float = 0.0  # > 0: the router rejects (overloaded) requests predicted to miss it
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
+    cache_tier: int = 1  # cache tier services (one per host by default; 0 = none)
+    cache_tier_dir: str = ""  # their SSD directories live under it ("" = ~/.cache/deepinfer/cache-tier)
+    cache_tier_dram_mb: int = 1024
+    cache_tier_ssd_mb: int = 16384
+
+    def tier_dir(self, index: int) -> str:
+        root = self.cache_tier_dir or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier")
+        return os.path.join(root, f"cache-{index}")
 
 
 class Cluster:
@@ -62,10 +70,20 @@ class Cluster:
         name = f"{role}-{index}"
         engines = max(1, s.prefill + s.decode)
         threads = max(1, len(os.sched_getaffinity(0)) // engines)
+        tier = ["--cache-tier", f"cache-{index % s.cache_tier}"] if s.cache_tier else []
         self._spawn(name, f"services.{role}", ["--nats-url", self.nats_url, "--worker-id", name,
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
-                                               "--transports", s.transports, "--dtype", s.dtype,
+                                               "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *(["--model", s.model] if s.model else [])], threads)
+        return name
+
+    def spawn_tier(self, index: int) -> str:
+        """Start cache tier ``cache-<index>`` on its directory (kept across runs: the tier survives restarts)."""
+        s, name = self.spec, f"cache-{index}"
+        self._spawn(name, "services.cache_tier", ["--nats-url", self.nats_url, "--worker-id", name,
+                                                  "--directory", s.tier_dir(index),
+                                                  "--dram-mb", str(s.cache_tier_dram_mb),
+                                                  "--ssd-mb", str(s.cache_tier_ssd_mb)], 1)
         return name
 
     async def start(self) -> None:
@@ -74,8 +92,9 @@ class Cluster:
             self.server = start_embedded_server()
             self.nats_url = self.server.url
         self._spawn("router", "services.router", self.router_args(), 1)
-        names = ["router"] + [self.spawn_worker("prefill", i) for i in range(s.prefill)] + \
-            [self.spawn_worker("decode", i) for i in range(s.decode)]
+        names = ["router"] + [self.spawn_tier(i) for i in range(s.cache_tier)]
+        names += [self.spawn_worker("prefill", i) for i in range(s.prefill)]
+        names += [self.spawn_worker("decode", i) for i in range(s.decode)]
         await self.wait_healthy(names, s.start_timeout_s)
 
     def respawn_router(self) -> None:

@@ -9,7 +9,8 @@ missing/mistyped/unknown fields; ``unsupported_version`` for a missing or wrong 
 over the per-type byte limit. ``encode`` enforces the same byte limits, so a sender learns first.
 
 The cluster's control-plane messages (heartbeats, registry entries, KV events and snapshots, request probes)
-are defined in ``shared.protocol_control`` and re-exported here: import every message from this module.
+are defined in ``shared.protocol_control``, the cache tier's and the stats messages in ``shared.protocol_cache``;
+both are re-exported here: import every message from this module.
 
 Errors over NATS: a service answers a failed request with ``encode(ErrorReply.from_exception(err))`` as the
 body and ``error_headers(err)`` as headers; callers use ``decode_reply`` to get the message or the raised
@@ -26,13 +27,16 @@ from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_s
                                 _check_worker, _require)
 from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES, ROLES, KVEvent, KVSnapshot,
                                      LoadReport, RequestProbe, WorkerInfo)
+from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
+                                   StatsRequest)
 from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, decode,
                                     encode, registered_types, wire_field, wire_message)
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk",
            "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest", "RequestProbe", "Ack", "ErrorReply",
-           "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS"]
+           "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
+           "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
@@ -98,9 +102,11 @@ class GenerateRequest(WireModel):
     cache_salt: str = ""
     prefill_mode: str = "auto"      # "auto" | "remote" | "local"
     transport: str = ""             # force a KV transport; "" = router chooses
+    retention: str = ""             # cache retention class; "" = by API (messages: chat, else none)
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id, allow_empty=True)
+        _check_id("retention", self.retention, allow_empty=True)
         _require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
         _check_id("cache_salt", self.cache_salt, allow_empty=True)
         forms = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -173,6 +179,7 @@ class _SamplingChecks:
     def _check_common(self) -> None:
         _check_id("request_id", self.request_id)
         _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        _check_id("retention", self.retention)
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         _check_subject("reply_to", self.reply_to)
 
@@ -188,6 +195,7 @@ class PrefillRequest(WireModel, _SamplingChecks):
     reply_to: str                   # subject receiving TokenChunks
     cache_salt: str = ""
     deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
+    retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
 
     def _check(self) -> None:
         self._check_common()
@@ -213,6 +221,8 @@ class KVHandoff(WireModel, _SamplingChecks):
     num_cached_tokens: int = 0
     ttft_ms: float = 0.0
     prefill_worker: str = ""
+    retention: str = "none"
+    tier_cached_tokens: int = 0     # of num_cached_tokens, pulled from the cache tier
 
     def _check(self) -> None:
         self._check_common()
@@ -223,6 +233,7 @@ class KVHandoff(WireModel, _SamplingChecks):
         _check_one_of("dtype", self.dtype, DTYPES)
         _require(bool(self.transport), "field 'transport': must not be empty")
         _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
+        _check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
         _check_range("ttft_ms", self.ttft_ms, 0.0)
         if self.prefill_worker:
             _check_worker("prefill_worker", self.prefill_worker)
@@ -237,6 +248,7 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     reply_to: str
     cache_salt: str = ""
     deadline_s: float = 60.0
+    retention: str = "none"
 
     def _check(self) -> None:
         self._check_common()

@@ -45,6 +45,7 @@ class LoadReport(WireModel):
     queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
     kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
     draining: bool = False          # shutting down: finishes what it holds, takes nothing new
+    tier_block_s: float = 0.0       # measured seconds per block pulled from the cache tier (0 = none yet)
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
@@ -53,6 +54,7 @@ class LoadReport(WireModel):
                      "queued_prefill_tokens", "kv_event_seq"):
             _check_range(name, getattr(self, name), 0)
         _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
+        _check_range("tier_block_s", self.tier_block_s, 0.0, 60.0)
         _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
 
 
@@ -97,12 +99,14 @@ class KVEvent(WireModel):
 
 @wire_message(MAX_MESSAGE_BYTES)
 class KVSnapshot(WireModel):
-    """Reply to ``subjects.ctl(worker, "kv_snapshot")``: every block hash the worker's device cache holds
-    as of event ``seq`` (the index resumes from ``seq + 1``)."""
+    """Reply to ``subjects.ctl(worker, "kv_snapshot")``: every block hash the worker holds in ``tier`` (its
+    device cache; the cache tier's store) as of event ``seq`` (the index resumes from ``seq + 1``)."""
     worker_id: str
     seq: int
     block_hashes: list[int]
+    tier: str = "device"
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_range("seq", self.seq, 0)
+        _check_one_of("tier", self.tier, KV_TIERS)

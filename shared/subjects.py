@@ -11,7 +11,7 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
 - ``di.v1.kvx.<transfer>``           ``stream`` KV transport: pulls of one transfer's payload chunks
 - ``di.v1.ctl.<service>.<op>``       control plane (status, drain, ...) of one service
 - ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
-- ``di.v1.cache.<op>``               cache tier operations (lookup, get, put, stats, ...)
+- ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``put``, ``get``, ``release``, ``stats``
 
 ``REGISTRY_BUCKET`` is the JetStream KV bucket (not a subject; bucket names may not contain dots) where
 workers register a WorkerInfo under their worker id, with a TTL.
@@ -110,6 +110,16 @@ def draft(model: str) -> str:
     return f"{PREFIX}.draft.{validate_token(model, 'model')}"
 
 
-def cache(op: str) -> str:
-    """Cache-tier operation subject."""
-    return f"{PREFIX}.cache.{validate_token(op, 'op')}"
+CACHE_OPS = ("put", "get", "release", "stats")
+
+
+def cache(op: str, tier: str) -> str:
+    """Subject of operation ``op`` (one of ``CACHE_OPS``) of the cache tier ``tier`` (its service id)."""
+    if op not in CACHE_OPS:
+        raise ValueError(f"cache op must be one of {CACHE_OPS}, got {op!r}")
+    return f"{PREFIX}.cache.{op}.{validate_token(tier, 'tier')}"
+
+
+def stats(service: str) -> str:
+    """Where any service answers a ``StatsRequest`` with its ``StatsReply`` (``deepinfer status``)."""
+    return ctl(service, "stats")

@@ -27,6 +27,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports, make_transport
 from shared.kv.events import KVEventPublisher
+from shared.kv.tier_client import Pulled, TierClient
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Worker(Service):
         self.aengine: AsyncEngine | None = None
         self.transports: dict = {}
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
+        self.tier: TierClient | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -61,16 +63,24 @@ class Worker(Service):
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
+        host = socket.gethostname()
+        if c.cache_tier:
+            host_transports = {t: tr for t, tr in self.transports.items() if t != "cuda_ipc"}
+            self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
+                                   c.tier_write_queue)
+            await self.tier.start()
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
-                                   host=socket.gethostname(), pid=os.getpid(), transports=offered,
+                                   host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0)
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s)
         await self.serve_handlers()
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "probe"), self.on_probe, work=False)
+        await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.kv_events.start()
-        self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq})
+        self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq,
+                                              "tier_block_s": self.tier.counters.block_pull_s if self.tier else 0.0})
         logger.info("%s ready (transports %s)", c.worker_id, offered)
 
     async def serve_handlers(self) -> None:
@@ -91,6 +101,52 @@ class Worker(Service):
         probe = protocol.decode(msg.data, protocol.RequestProbe)
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(ok=probe.request_id in self.active)))
+
+    async def on_stats(self, msg) -> None:
+        """Reply with load, prefix-cache and cache-tier figures (``deepinfer status``)."""
+        if not msg.reply:
+            return
+        bm = self.engine.block_manager
+        stats = {**self.aengine.load(), "prefix_query_tokens": bm.num_query_tokens,
+                 "prefix_hit_tokens": bm.num_hit_tokens, "errors": dict(self.runtime.error_counts),
+                 "tier": self.tier.stats() if self.tier else None}
+        await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id,
+                                                              role=self.config.role, stats=stats)))
+
+    # -- cache tier (shared/kv/tier_client.py; shared/engine/kv_tier.py) ---------------------------------------
+    async def tier_pull(self, prompt: list[int], cache_salt: str, retention: str) -> Pulled | None:
+        """The prompt's reusable blocks that the local prefix cache lacks and the tier holds, or None."""
+        if self.tier is None or not self.tier.alive:
+            return None
+        eng = self.engine
+        first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
+        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, list(eng.kv_cache.shape[1:]),
+                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention)
+
+    def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
+        """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
+        appended to ``imported``), so the request's prefix lookup finds them before anything evicts them."""
+        if pulled is None:
+            return submit
+        eng = self.engine
+
+        def import_then_submit():
+            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv))
+            return submit()
+        return import_then_submit
+
+    async def tier_write_back(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> None:
+        """Stage a held request's computed blocks from ``first_block`` on for the tier (the caller releases the
+        request's blocks afterwards). Never raises: a write-back that cannot be made is dropped and counted."""
+        if self.tier is None:
+            return
+        eng = self.engine
+        try:
+            ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
+            await self.tier.write_back(eng.kv_cache, ids, hashes, tokens, eng.config.block_size, cache_salt,
+                                       retention)
+        except DeepinferError as err:   # not held (aborted, failed): nothing to write
+            logger.debug("[%s] no write-back: %s", request_id, err)
 
     def track(self, request_id: str, reply_to: str) -> None:
         self.active[request_id] = (asyncio.current_task(), reply_to)
@@ -114,6 +170,8 @@ class Worker(Service):
         await rt.withdraw()
         await rt.finish_inflight(self.config.drain_grace_s, self.hand_back)
         await self.kv_events.stop()
+        if self.tier is not None:
+            await self.tier.close()
         for transport in self.transports.values():
             await transport.close()
         await self.aengine.stop()

@@ -47,21 +47,34 @@ class DecodeService(Worker):
             if msg.reply:
                 await msg.respond(protocol.encode(protocol.Ack()))
 
+        hold = self.tier is not None  # keep the blocks at the end for the write-back
+        written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0
+        imported: list[int] = []  # blocks pulled from the cache tier (local prefill)
         try:
             if handoff:
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
                 kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
                 submit = lambda: eng.import_prefilled(rid, req.prompt_token_ids, req.first_token, params, kv,
-                                                      req.cache_salt)
-                seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms}
+                                                      req.cache_salt, hold_kv=hold)
+                seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
+                                 "tier_cached_tokens": req.tier_cached_tokens}
             else:
-                submit = lambda: eng.add_request(req.prompt_token_ids, params, rid, req.cache_salt)
-                seq, extra = 0, {}
                 await ack()  # accepted now: an engine step in progress may take seconds to end
+                pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
+                submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
+                    req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold), imported)
+                seq, extra = 0, {}
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
             async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
                                               ack if handoff else None):
-                await self.publish_output(req.reply_to, seq, out, extra if out.finished else None)
+                if out.finished:
+                    if not handoff:
+                        extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
+                                                          out.num_cached_tokens)
+                    await self.publish_output(req.reply_to, seq, out, extra)
+                    await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
+                else:
+                    await self.publish_output(req.reply_to, seq, out)
                 seq += 1
         except DeepinferError as err:
             if not acked:
@@ -69,3 +82,5 @@ class DecodeService(Worker):
             await self.nc.publish(req.reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, seq, err)))
         finally:
             self.untrack(rid)
+            if hold:
+                await self.aengine.call(lambda: eng.release_held(rid))

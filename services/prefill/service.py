@@ -34,27 +34,34 @@ class PrefillService(Worker):
         await msg.respond(protocol.encode(protocol.Ack()))
         rid = req.request_id
         self.track(rid, req.reply_to)
+        computed_from = [0]  # first block this prefill computed (the cached ones are not written back)
         try:
-            await asyncio.wait_for(self._prefill(req, params), timeout=max(req.deadline_s, 0.1))
+            await asyncio.wait_for(self._prefill(req, params, computed_from), timeout=max(req.deadline_s, 0.1))
         except asyncio.TimeoutError:
             await self._fail(req, DeepinferError(ErrorCode.TIMEOUT, "prefill or KV hand-off timed out"))
         except DeepinferError as err:
             await self._fail(req, err)
         finally:
             self.untrack(rid)
+            await self.tier_write_back(rid, computed_from[0], req.cache_salt, req.retention)
             await self.aengine.call(lambda: self.engine.release_held(rid))
 
-    async def _prefill(self, req: protocol.PrefillRequest, params) -> None:
+    async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int]) -> None:
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        outs = [o async for o in self.aengine.run(
-            rid, lambda: eng.add_request(req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), 2)]
+        pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
+        imported: list[int] = []
+        submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
+            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), imported)
+        outs = [o async for o in self.aengine.run(rid, submit, 2)]
         final = outs[-1]
+        computed_from[0] = final.num_cached_tokens // eng.config.block_size
+        tier_tokens = min(sum(imported) * eng.config.block_size, final.num_cached_tokens)
         if final.finish_reason not in ("length", "stop"):
             raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
         if final.finish_reason == "stop" or params.max_tokens == 1:  # the engine's stop rule ended it
-            await self.publish_output(req.reply_to, 0, final)
+            await self.publish_output(req.reply_to, 0, final, {"tier_cached_tokens": tier_tokens})
             return
         await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))
         ids = await self.aengine.call(lambda: eng.prompt_block_ids(rid))
@@ -67,7 +74,8 @@ class PrefillService(Worker):
                 sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
                 block_shape=list(eng.kv_cache.shape[1:]), dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
-                ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id)
+                ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
+                retention=req.retention, tier_cached_tokens=tier_tokens)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=self.config.handoff_timeout_s)

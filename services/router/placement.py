@@ -4,6 +4,7 @@ KV transport, shared with the simulator), and turns the decision into worker sta
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 from shared.errors import DeepinferError, ErrorCode
@@ -45,7 +46,9 @@ class Placer:
         hashes = hash_prompt_blocks(prompt, first.block_size, first.model_id, cache_salt)
         view = ClusterView(prefill=tuple(worker_view(s) for s in prefill),
                            decode=tuple(worker_view(s) for s in decode),
-                           overlap=self.index.overlap(hashes), cost=self.cost)
+                           overlap=self.index.overlap(hashes),
+                           remote_overlap=self.index.tier_overlap(hashes, "cache_tier"),
+                           cost=self.tier_cost(prefill + decode))
         info = RequestInfo(request_id, len(prompt), tuple(hashes), max_tokens, self.ttft_slo_s)
         decision = place_request(self.policy, info, view, mode, self.threshold, transport)
         if isinstance(decision, Reject):
@@ -54,6 +57,15 @@ class Placer:
         states = self.table.workers
         prefill_state = states[decision.prefill_worker] if decision.prefill_worker else None
         return prefill_state, states[decision.decode_worker], decision.transport
+
+
+    def tier_cost(self, workers: list[WorkerState]) -> CostModel:
+        """The cost model with the cache-tier pull cost the workers measured (their mean seconds per block),
+        or the profile's when none has pulled yet."""
+        measured = [s.report.tier_block_s for s in workers if s.report.tier_block_s > 0]
+        if not measured:
+            return self.cost
+        return dataclasses.replace(self.cost, block_transfer_s=sum(measured) / len(measured))
 
 
 def _avoid(states: list[WorkerState], exclude: Collection[str]) -> list[WorkerState]:

@@ -54,6 +54,7 @@ class Stream:
     next_seq: int = 0  # seq of the next chunk to the client
     delivered: list[int] = dataclasses.field(default_factory=list)
     ended: bool = False
+    usage: dict | None = None  # the final chunk's usage, once forwarded
     failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
 
 
@@ -112,11 +113,13 @@ class Relay:
                 target = prefill_w
                 work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                decode_worker=decode_w.report.worker_id, transport=transport,
-                                               reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
+                                               reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
+                                               retention=req.retention)
             else:
                 target = decode_w
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
-                                                   reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s)
+                                                   reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
+                                               retention=req.retention)
             await self._dispatch(target, work)
             finished = await self._relay(sub, stream, work_id, prefill_w, decode_w, account.prefill_done, attempt)
         finally:
@@ -207,6 +210,8 @@ class Relay:
         stream.next_seq += 1
         stream.delivered.extend(chunk.token_ids)
         stream.ended = chunk.final
+        if chunk.final:
+            stream.usage = out.usage
 
 
 class _StallWatch:

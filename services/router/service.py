@@ -15,6 +15,7 @@ finish for ``drain_grace_s``, end the rest with ``unavailable``, then drain NATS
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -23,7 +24,9 @@ import uuid
 
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
+from shared.accounting import Ledger, Prices
 from shared.config import RouterConfig
+from shared.kv.store.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.placement import Placer
 from services.router.relay import Relay, Stream
@@ -53,6 +56,8 @@ class RouterService(Service):
         self.relay: Relay | None = None
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
         self._draining = False
+        self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
+        self.ledger = Ledger(Prices(cached_per_mtok=config.price_cached, uncached_per_mtok=config.price_uncached))
 
     async def start(self) -> None:
         c = self.config
@@ -67,6 +72,7 @@ class RouterService(Service):
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
+        await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
         self.runtime.spawn(self._sweep_loop())
@@ -101,7 +107,7 @@ class RouterService(Service):
         try:
             reply = await self.nc.request(subjects.ctl(worker_id, "kv_snapshot"), b"", timeout=2.0)
             snap = protocol.decode(reply.data, protocol.KVSnapshot)
-            self.index.resync(worker_id, snap.seq, {"device": snap.block_hashes})
+            self.index.resync(worker_id, snap.seq, {snap.tier: snap.block_hashes})
             logger.info("KV index resynced %s at seq %d (%d blocks)", worker_id, snap.seq, len(snap.block_hashes))
         except Exception as err:  # the worker stays flagged; its next event retries
             logger.warning("KV index resync of %s failed: %r", worker_id, err)
@@ -146,9 +152,11 @@ class RouterService(Service):
             if len(self.relays) > self.config.max_inflight:
                 raise DeepinferError(ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")
             self._check_model(req.model)
+            req = dataclasses.replace(req, retention=self._retention(req))
             prompt = await self._tokenize(req)
             stream.prompt_len = len(prompt)
             await self.relay.serve(req, prompt, stream)
+            self._account(req, stream)
         except (DeepinferError, asyncio.CancelledError) as exc:
             err = exc if isinstance(exc, DeepinferError) else (
                 DeepinferError(ErrorCode.UNAVAILABLE, "router shutting down; retry") if self._draining
@@ -157,6 +165,32 @@ class RouterService(Service):
             await self.nc.publish(msg.reply, protocol.encode(chunk))
         finally:
             self.relays.pop(rid, None)
+
+    def _retention(self, req: protocol.GenerateRequest) -> str:
+        """The request's retention class: its own, else the deployment's default for its API."""
+        name = req.retention or (self.config.chat_retention if req.messages is not None
+                                 else self.config.prompt_retention)
+        if name not in self.retention_classes:
+            raise invalid(f"unknown retention class {name!r} (known: {sorted(self.retention_classes)})")
+        return name
+
+    def _account(self, req: protocol.GenerateRequest, stream: Stream) -> None:
+        usage = stream.usage or {}
+        prompt = int(usage.get("prompt_tokens", stream.prompt_len))
+        tier = int(usage.get("tier_cached_tokens", 0) or 0)
+        self.ledger.record(req.cache_salt, req.retention, prompt, int(usage.get("cached_tokens", 0) or 0),
+                           int(usage.get("completion_tokens", 0) or 0), {"cache_tier": tier} if tier else None)
+
+    async def on_stats(self, msg) -> None:
+        """Reply with the accounting ledger (per tenant and class) and the router's counters."""
+        if not msg.reply:
+            return
+        stats = {"accounting": self.ledger.as_dict(), "in_flight": len(self.relays), "policy": self.config.policy,
+                 "workers": {wid: {"role": s.report.role, "alive": self.table.is_alive(wid),
+                                   "draining": s.report.draining} for wid, s in self.table.workers.items()},
+                 "errors": dict(self.runtime.error_counts)}
+        await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
+                                                              stats=stats)))
 
     async def _tokenize(self, req: protocol.GenerateRequest) -> list[int]:
         size = len(req.prompt or "") + sum(len(m.get("content", "")) for m in req.messages or ())

@@ -19,8 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 class KVEventPublisher:
-    def __init__(self, nc, worker_id: str, snapshot_fn, max_pending: int = 65536, flush_s: float = 0.05) -> None:
-        self.nc, self.worker_id, self.snapshot_fn = nc, worker_id, snapshot_fn
+    def __init__(self, nc, worker_id: str, snapshot_fn, max_pending: int = 65536, flush_s: float = 0.05,
+                 tier: str = "device") -> None:
+        """``tier``: the KV tier every event and snapshot names (a worker's ``device`` pool; ``cache_tier``)."""
+        self.nc, self.worker_id, self.snapshot_fn, self.tier = nc, worker_id, snapshot_fn, tier
         self.flush_s = flush_s
         self.seq = 0
         self._pending: collections.deque[tuple[str, list[int]]] = collections.deque()
@@ -69,7 +71,8 @@ class KVEventPublisher:
             self.seq += 1  # a deliberate gap: the index must resync
         events = list(_coalesce(batch))
         for i, (kind, hashes) in enumerate(events):
-            event = protocol.KVEvent(worker_id=self.worker_id, seq=self.seq + 1, kind=kind, block_hashes=hashes)
+            event = protocol.KVEvent(worker_id=self.worker_id, seq=self.seq + 1, kind=kind, block_hashes=hashes,
+                                     tier=self.tier)
             try:
                 await self.nc.publish(subjects.KV_EVENTS, protocol.encode(event))
             except BaseException:
@@ -92,7 +95,7 @@ class KVEventPublisher:
         await self.flush()
         hashes = await self.snapshot_fn()
         await msg.respond(protocol.encode(protocol.KVSnapshot(worker_id=self.worker_id, seq=self.seq,
-                                                              block_hashes=hashes)))
+                                                              block_hashes=hashes, tier=self.tier)))
 
 
 def _coalesce(batch, max_hashes: int = 4096):

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from shared.kv.transport_choice import common_transport
 from shared.sched.types import ClusterView, Placement, Reject, RequestInfo, WorkerView
 
 PREFILL_MODES = ("auto", "remote", "local")
-SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 def choose_transport(prefill: WorkerView, decode: WorkerView, forced: str = "") -> str | None:
     """The KV transport for a worker pair: the first transport both offer in the prefill worker's preference
     order (or the forced one), same-host ones only when both run on one host."""
-    common = [t for t in prefill.transports if t in decode.transports
-              and (prefill.host == decode.host or t not in SAME_HOST_TRANSPORTS)]
-    if forced:
-        return forced if forced in common else None
-    return common[0] if common else None
+    return common_transport(prefill.transports, decode.transports, prefill.host == decode.host, forced)
 
 
 def place_request(policy, request: RequestInfo, view: ClusterView, mode: str = "auto",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from services.cache_tier.service import CacheTierService
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from services.router.service import RouterService
-from shared.config import RouterConfig, WorkerConfig
+from shared.config import CacheTierConfig, RouterConfig, WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
@@ -22,10 +23,25 @@ def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerCo
                         max_num_batched_tokens=64, drain_grace_s=kw.pop("drain_grace_s", 2.0), **kw)
 
 
+TIER_ID = "cache-0"
+
+
+def tier_config(url: str, directory, **kw) -> CacheTierConfig:
+    return CacheTierConfig(nats_url=url, worker_id=kw.pop("worker_id", TIER_ID), directory=str(directory),
+                           dram_mb=kw.pop("dram_mb", 1), ssd_mb=kw.pop("ssd_mb", 64), segment_mb=4,
+                           heartbeat_s=0.2, gc_interval_s=kw.pop("gc_interval_s", 0.5), **kw)
+
+
 class InProcessCluster:
+    """``tier_dir``: also run a cache tier (``TIER_ID``) on that directory and point every worker at it."""
+
     def __init__(self, url: str, folder, prefill: int = 1, decode: int = 1, local_prefill_threshold: int = 0,
-                 policy: str = "predictive", router_kw: dict | None = None, **worker_kw) -> None:
+                 policy: str = "predictive", router_kw: dict | None = None, tier_dir=None, tier_kw=None,
+                 **worker_kw) -> None:
         self.url, self.folder = url, folder
+        self.tier = CacheTierService(tier_config(url, tier_dir, **(tier_kw or {}))) if tier_dir else None
+        if tier_dir:
+            worker_kw.setdefault("cache_tier", TIER_ID)
         self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
                                                  local_prefill_threshold=local_prefill_threshold, policy=policy,
                                                  **(router_kw or {})))
@@ -35,10 +51,12 @@ class InProcessCluster:
                          for i in range(decode)]
 
     async def __aenter__(self) -> "InProcessCluster":
+        if self.tier is not None:
+            await self.tier.start()
         await self.router.start()
         for w in self.workers:
             await w.start()
-        names = {w.config.worker_id for w in self.workers}
+        names = {w.config.worker_id for w in self.workers} | ({TIER_ID} if self.tier else set())
         for _ in range(100):
             if names <= {wid for wid in self.router.table.workers}:
                 return self
@@ -49,6 +67,8 @@ class InProcessCluster:
         for w in self.workers:
             await w.shutdown()
         await self.router.shutdown()
+        if self.tier is not None:
+            await self.tier.shutdown()
 
 
 def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

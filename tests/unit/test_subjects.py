@@ -11,14 +11,16 @@ def test_subjects():
     assert subjects.prefill("p-0") == "di.v1.prefill.p-0" and subjects.decode("d_1") == "di.v1.decode.d_1"
     assert subjects.load("w") == "di.v1.load.w" and subjects.kv_pull("t1") == "di.v1.kvx.t1"
     assert subjects.ctl("router", "status") == "di.v1.ctl.router.status"
-    assert subjects.draft("tiny") == "di.v1.draft.tiny" and subjects.cache("lookup") == "di.v1.cache.lookup"
+    assert subjects.draft("tiny") == "di.v1.draft.tiny" and subjects.cache("get", "tier-0") == "di.v1.cache.get.tier-0"
+    assert subjects.stats("router-1") == "di.v1.ctl.router-1.stats"
     assert "." not in subjects.REGISTRY_BUCKET
 
 
 @pytest.mark.parametrize("token", ["", "a.b", "a*", ">", "a b", "a\tb", "a\nb", "\x00", None, 5, "x" * 200])
 def test_subject_tokens_are_validated(token):
     for build_subject in (subjects.prefill, subjects.decode, subjects.load, subjects.kv_pull, subjects.draft,
-                          subjects.cache, lambda t: subjects.ctl("svc", t), lambda t: subjects.ctl(t, "op")):
+                          lambda t: subjects.cache("put", t), lambda t: subjects.cache(t, "tier"),
+                          lambda t: subjects.ctl("svc", t), lambda t: subjects.ctl(t, "op")):
         with pytest.raises(ValueError):
             build_subject(token)
 

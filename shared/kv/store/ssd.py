@@ -93,6 +93,11 @@ class SsdTier:
     def num_segments(self) -> int:
         return len(self._files.segments)
 
+    def hashes(self) -> list[int]:
+        """Every block hash the index holds now."""
+        with self._lock:
+            return list(self._index.locs)
+
     def location(self, block_hash: int) -> tuple[Path, int, int] | None:
         """(segment path, offset, length) of a block's record (tests, diagnostics)."""
         with self._lock:

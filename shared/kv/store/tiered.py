@@ -215,6 +215,12 @@ class TieredBlockStore:
             return "dram"
         return "ssd" if self._ssd.contains(block_hash) else None
 
+    async def hashes(self) -> set[int]:
+        """Every block hash held in any tier now (expired ones GC has not removed yet included)."""
+        self._check_open()
+        on_ssd = await self._on_ssd(self._ssd.hashes)
+        return set(on_ssd).union(self._dram.lru_order(), self._inflight)
+
     # -- maintenance --------------------------------------------------------------------------------------
     async def gc(self) -> GcReport:
         """Drop expired blocks from both tiers and compact mostly-dead segments."""

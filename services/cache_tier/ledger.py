@@ -1,0 +1,67 @@
+"""The cache tier's per-tenant, per-retention-class accounting: what each (tenant, class) stored and read.
+
+Invariants: every put and get of the service is recorded exactly once, under ``(tenant or "default",
+retention)``; ``blocks_hit_dram + blocks_hit_ssd + blocks_missed`` equals the blocks asked for by gets;
+bounded at ``MAX_LEDGER_KEYS`` keys (later keys fold into ``_other``, counted, never dropped). Store-wide
+quantities (bytes held, evictions, expiries) are the store's own counters (``TieredBlockStore.stats``):
+blocks are shared by hash, so they are not attributed to one tenant.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shared.accounting import DEFAULT_TENANT, MAX_LEDGER_KEYS, OTHER
+
+
+@dataclass(slots=True)
+class TierLine:
+    puts: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    gets: int = 0
+    blocks_hit_dram: int = 0
+    blocks_hit_ssd: int = 0
+    blocks_missed: int = 0
+    tokens_served: int = 0
+    bytes_read: int = 0
+
+
+class TierLedger:
+    def __init__(self, max_keys: int = MAX_LEDGER_KEYS) -> None:
+        self.max_keys = max_keys
+        self.lines: dict[tuple[str, str], TierLine] = {}
+
+    def line(self, tenant: str, retention: str) -> TierLine:
+        key = (tenant or DEFAULT_TENANT, retention)
+        found = self.lines.get(key)
+        if found is None:
+            if len(self.lines) >= self.max_keys - 1:
+                key = (OTHER, OTHER)
+            found = self.lines.setdefault(key, TierLine())
+        return found
+
+    def record_put(self, tenant: str, retention: str, blocks: int, nbytes: int) -> None:
+        line = self.line(tenant, retention)
+        line.puts += 1
+        line.blocks_written += blocks
+        line.bytes_written += nbytes
+
+    def record_get(self, tenant: str, retention: str, asked: int, dram: int, ssd: int, tokens: int,
+                   nbytes: int) -> None:
+        line = self.line(tenant, retention)
+        line.gets += 1
+        line.blocks_hit_dram += dram
+        line.blocks_hit_ssd += ssd
+        line.blocks_missed += asked - dram - ssd
+        line.tokens_served += tokens
+        line.bytes_read += nbytes
+
+    def as_dict(self) -> dict:
+        """``{tenant: {class: line}}`` plus ``"total"``."""
+        out: dict[str, dict] = {}
+        total = TierLine()
+        for (tenant, retention), line in sorted(self.lines.items()):
+            out.setdefault(tenant, {})[retention] = asdict(line)
+            for name, value in asdict(line).items():
+                setattr(total, name, getattr(total, name) + value)
+        return {"by_tenant": out, "total": asdict(total)}

@@ -1,0 +1,206 @@
+"""A worker's connection to its cache tier: pull missing prompt blocks, write computed blocks back.
+
+Never on the token path and never fatal: a pull that fails, times out (``timeout_s``) or finds nothing
+returns None and the worker computes the blocks itself; a write-back is staged while the worker still holds
+the blocks, queued (at most ``max_queued``; more are dropped and counted) and sent by one background task,
+which frees the staging once the tier acknowledged or the wait timed out. While the tier's heartbeats are
+missing (dead, not started) both are skipped at once instead of waiting out timeouts.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared import protocol, subjects
+from shared.kv.transport import KVTransport
+from shared.kv.transport_choice import common_transport
+
+logger = logging.getLogger(__name__)
+
+TIER_DEAD_AFTER_S = 3.0
+
+
+@dataclass(slots=True)
+class Pulled:
+    first: int               # index of the first block pulled
+    kv: torch.Tensor         # [n, *block_shape]
+    dram_blocks: int
+    ssd_blocks: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    pulls: int = 0
+    pull_hits: int = 0
+    pull_failures: int = 0
+    blocks_pulled: int = 0
+    writes: int = 0
+    blocks_written: int = 0
+    writes_dropped: int = 0
+    write_failures: int = 0
+    block_pull_s: float = 0.0   # EWMA seconds per block pulled (the router prices pulls with it)
+
+
+@dataclass(slots=True)
+class _Write:
+    transport: KVTransport
+    put: protocol.CachePut
+
+
+class TierClient:
+    def __init__(self, nc, worker_id: str, tier_id: str, host: str, transports: dict[str, KVTransport],
+                 timeout_s: float = 2.0, max_queued: int = 16) -> None:
+        self.nc, self.worker_id, self.tier_id, self.host = nc, worker_id, tier_id, host
+        self.transports, self.timeout_s = transports, timeout_s
+        self.counters = TierCounters()
+        self._queue: asyncio.Queue[_Write] = asyncio.Queue(max(1, max_queued))
+        self._ids = itertools.count()
+        self._tier: protocol.LoadReport | None = None
+        self._tier_seen = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(subjects.load(self.tier_id), cb=self._on_heartbeat)
+        self._tasks.append(asyncio.create_task(self._writer()))
+
+    async def _on_heartbeat(self, msg) -> None:
+        with contextlib.suppress(Exception):
+            report = protocol.decode(msg.data, protocol.LoadReport)
+            self._tier, self._tier_seen = report, time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return (self._tier is not None and not self._tier.draining
+                and time.monotonic() - self._tier_seen < TIER_DEAD_AFTER_S)
+
+    def _transport(self) -> str | None:
+        tier = self._tier
+        return common_transport(list(self.transports), tier.transports, tier.host == self.host)
+
+    def _transfer_id(self, kind: str) -> str:
+        return f"{kind}-{self.worker_id}-{next(self._ids)}"
+
+    # -- pulls --------------------------------------------------------------------------------------------
+    async def pull(self, first: int, hashes: Sequence[int], prompt: Sequence[int], block_size: int,
+                   block_shape: list[int], dtype: str, tenant: str, retention: str) -> Pulled | None:
+        """Blocks ``first..`` of ``hashes`` (the prompt's reusable blocks) that the tier holds, or None."""
+        if first >= len(hashes) or not self.alive:
+            return None
+        self.counters.pulls += 1
+        t0 = time.perf_counter()
+        tid = self._transfer_id("tg")
+        get = protocol.CacheGet(transfer_id=tid, worker_id=self.worker_id, retention=retention,
+                                block_hashes=list(hashes[first:]),
+                                token_ids=list(prompt[first * block_size:len(hashes) * block_size]),
+                                block_size=block_size, dtype=dtype, block_shape=block_shape,
+                                transports=list(self.transports), host=self.host, tenant=tenant)
+        reply = None
+        try:
+            msg = await self.nc.request(subjects.cache("get", self.tier_id), protocol.encode(get),
+                                        timeout=self.timeout_s)
+            reply = protocol.decode_reply(msg.data, protocol.CacheGetReply)
+            if reply.num_blocks == 0:
+                return None
+            transport = self.transports.get(reply.transport)
+            if transport is None:
+                raise ValueError(f"tier staged through {reply.transport!r}, not offered here")
+            kv = await transport.fetch(reply.handle, timeout=self.timeout_s)     # [n, *block_shape]
+            if list(kv.shape) != [reply.num_blocks, *block_shape]:
+                raise ValueError(f"tier sent {list(kv.shape)} for {reply.num_blocks} blocks")
+        except Exception as err:  # noqa: BLE001 - any failure means: compute the blocks here
+            self.counters.pull_failures += 1
+            logger.info("tier pull from %s failed (%s): computing instead", self.tier_id, err)
+            return None
+        finally:
+            if reply is not None and reply.num_blocks:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(subjects.cache("release", self.tier_id),
+                                          protocol.encode(protocol.CacheRelease(transfer_id=tid)))
+        per_block = (time.perf_counter() - t0) / reply.num_blocks
+        c = self.counters
+        c.block_pull_s = per_block if c.block_pull_s == 0 else 0.8 * c.block_pull_s + 0.2 * per_block
+        c.pull_hits += 1
+        c.blocks_pulled += reply.num_blocks
+        return Pulled(first, kv, reply.dram_blocks, reply.ssd_blocks)
+
+    # -- write-back ---------------------------------------------------------------------------------------
+    async def write_back(self, kv_cache: torch.Tensor, block_ids: Sequence[int], hashes: Sequence[int],
+                         token_ids: Sequence[int], block_size: int, tenant: str, retention: str) -> bool:
+        """Stage ``kv_cache[block_ids]`` now (the caller holds those blocks until this returns) and queue it
+        for the tier. False (counted) when the tier is away, the queue is full or staging fails."""
+        if not block_ids:
+            return False
+        name = self._transport() if self.alive else None
+        if name is None or self._queue.full():
+            self.counters.writes_dropped += 1
+            return False
+        transport, tid = self.transports[name], self._transfer_id("wb")
+        nbytes = len(block_ids) * kv_cache[0].numel() * kv_cache.element_size()
+        if transport.budget.used + nbytes > transport.budget.max_bytes:   # never wait for room here
+            self.counters.writes_dropped += 1
+            return False
+        try:
+            handle = await transport.stage_blocks(kv_cache, list(block_ids), tid)
+        except Exception as err:  # noqa: BLE001 - staging full: drop this write-back
+            self.counters.writes_dropped += 1
+            logger.debug("write-back not staged: %s", err)
+            return False
+        put = protocol.CachePut(transfer_id=tid, worker_id=self.worker_id, retention=retention,
+                                block_hashes=list(hashes), token_ids=list(token_ids), block_size=block_size,
+                                dtype=str(kv_cache.dtype).removeprefix("torch."),
+                                block_shape=list(kv_cache.shape[1:]), transport=name, handle=handle,
+                                tenant=tenant)
+        try:
+            self._queue.put_nowait(_Write(transport, put))
+        except asyncio.QueueFull:
+            await transport.release(tid)
+            self.counters.writes_dropped += 1
+            return False
+        return True
+
+    async def _writer(self) -> None:
+        while True:
+            job = await self._queue.get()
+            try:
+                msg = await self.nc.request(subjects.cache("put", self.tier_id), protocol.encode(job.put),
+                                            timeout=max(self.timeout_s, 10.0))
+                protocol.decode_reply(msg.data, protocol.Ack)
+                self.counters.writes += 1
+                self.counters.blocks_written += len(job.put.block_hashes)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the tier misses these blocks; the worker goes on
+                self.counters.write_failures += 1
+                logger.info("write-back to %s failed: %s", self.tier_id, err)
+            finally:
+                await job.transport.release(job.put.transfer_id)
+
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Send what is queued for up to ``flush_s``, then stop and free all staging."""
+        deadline = time.monotonic() + flush_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            await job.transport.release(job.put.transfer_id)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"tier": self.tier_id, "alive": self.alive, "pulls": c.pulls, "pull_hits": c.pull_hits,
+                "pull_failures": c.pull_failures, "blocks_pulled": c.blocks_pulled, "writes": c.writes,
+                "blocks_written": c.blocks_written, "writes_dropped": c.writes_dropped,
+                "write_failures": c.write_failures, "block_pull_s": c.block_pull_s, "queued": self._queue.qsize()}

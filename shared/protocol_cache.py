@@ -1,0 +1,136 @@
+"""The cache tier's wire messages (``subjects.cache(op, tier)``) and the stats messages every service answers
+(``subjects.stats(service)``). Same codec and rules as every message (``shared.wire_validation``); import them
+from ``shared.protocol``, which re-exports them.
+
+Put (worker -> tier): the worker stages ``[n, *block_shape]`` KV through one of its KV transports and sends
+``CachePut`` with the blocks' chained hashes and tokens; the tier fetches, stores, and replies ``Ack`` — then
+the worker releases its staging. Get (worker -> tier): ``CacheGet`` names the prompt blocks the worker lacks;
+the tier replies ``CacheGetReply`` with the leading run it holds (tokens compared, unexpired, same layout),
+staged through a transport the worker offered; the worker fetches and publishes ``CacheRelease`` (the tier
+also releases on its own after a timeout, so a vanished worker leaks nothing).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
+from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
+
+MAX_CACHE_CONTROL_BYTES = 64 * 1024
+MAX_TIER_BLOCKS = 4096                  # blocks per put/get (the store's batch bound)
+MAX_TIER_TOKENS = 1 << 20
+MAX_BLOCK_SIZE = 1024
+MAX_SHAPE_DIMS = 8
+MAX_HASH = (1 << 64) - 1
+KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+             "int64", "int32", "int16", "int8", "uint8")
+
+
+class _BlockList:
+    """Rules of the messages that name blocks: hashes, their tokens, their layout."""
+    __slots__ = ()
+
+    def _check_blocks(self) -> None:
+        _check_id("transfer_id", self.transfer_id)
+        _check_worker("transfer_id", self.transfer_id)
+        _check_worker("worker_id", self.worker_id)
+        _check_id("tenant", self.tenant, allow_empty=True)
+        _check_id("retention", self.retention)
+        _require(bool(self.block_hashes), "field 'block_hashes': must not be empty")
+        _require(min(self.block_hashes) >= 0 and max(self.block_hashes) <= MAX_HASH,
+                 "field 'block_hashes': hashes must be unsigned 64-bit ints")
+        _check_range("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _require(len(self.token_ids) == self.block_size * len(self.block_hashes),
+                 f"field 'token_ids': {len(self.token_ids)} tokens for {len(self.block_hashes)} blocks of "
+                 f"{self.block_size}")
+        _require(not self.token_ids or (min(self.token_ids) >= 0 and max(self.token_ids) < 1 << 32),
+                 "field 'token_ids': token ids must be uint32")
+        _check_one_of("dtype", self.dtype, KV_DTYPES)
+        _require(0 < len(self.block_shape) <= MAX_SHAPE_DIMS and min(self.block_shape) > 0,
+                 f"field 'block_shape': must be 1..{MAX_SHAPE_DIMS} positive ints")
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class CachePut(WireModel, _BlockList):
+    """Worker -> tier: store these blocks for a request of class ``retention`` (accounted to ``tenant``); their
+    KV ``[len(block_hashes), *block_shape]`` of ``dtype`` is fetchable through ``transport`` / ``handle``."""
+    transfer_id: str
+    worker_id: str
+    retention: str
+    block_hashes: list[int] = wire_field(max_len=MAX_TIER_BLOCKS)
+    token_ids: list[int] = wire_field(max_len=MAX_TIER_TOKENS)   # block_size per block, in block order
+    block_size: int
+    dtype: str
+    block_shape: list[int] = wire_field(max_len=MAX_SHAPE_DIMS)
+    transport: str
+    handle: dict[str, Any]
+    tenant: str = ""
+
+    def _check(self) -> None:
+        self._check_blocks()
+        _require(bool(self.transport), "field 'transport': must not be empty")
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class CacheGet(WireModel, _BlockList):
+    """Worker -> tier: the leading run of these blocks you hold, staged through one of ``transports`` (the
+    worker's, in its preference order; same-host ones only when the tier runs on ``host``)."""
+    transfer_id: str
+    worker_id: str
+    retention: str
+    block_hashes: list[int] = wire_field(max_len=MAX_TIER_BLOCKS)
+    token_ids: list[int] = wire_field(max_len=MAX_TIER_TOKENS)
+    block_size: int
+    dtype: str
+    block_shape: list[int] = wire_field(max_len=MAX_SHAPE_DIMS)
+    transports: list[str] = wire_field(max_len=8)
+    host: str = ""
+    tenant: str = ""
+
+    def _check(self) -> None:
+        self._check_blocks()
+        _require(bool(self.transports), "field 'transports': must not be empty")
+
+
+@wire_message(MAX_CACHE_CONTROL_BYTES)
+class CacheGetReply(WireModel):
+    """Tier -> worker: ``num_blocks`` leading blocks (``dram_blocks`` served from DRAM, ``ssd_blocks`` from
+    SSD) staged as ``[num_blocks, *block_shape]`` through ``transport`` / ``handle`` (empty when 0)."""
+    num_blocks: int
+    dram_blocks: int = 0
+    ssd_blocks: int = 0
+    transport: str = ""
+    handle: dict[str, Any] = wire_field(default_factory=dict)
+
+    def _check(self) -> None:
+        _check_range("num_blocks", self.num_blocks, 0, MAX_TIER_BLOCKS)
+        _require(self.dram_blocks >= 0 and self.ssd_blocks >= 0
+                 and self.dram_blocks + self.ssd_blocks == self.num_blocks,
+                 "fields 'dram_blocks' + 'ssd_blocks' must equal 'num_blocks'")
+        _require(self.num_blocks == 0 or (bool(self.transport) and bool(self.handle)),
+                 "a reply with blocks needs a transport and a handle")
+
+
+@wire_message(MAX_CACHE_CONTROL_BYTES)
+class CacheRelease(WireModel):
+    """Worker -> tier: done with ``transfer_id`` (fetched or given up); the tier frees its staging."""
+    transfer_id: str
+
+    def _check(self) -> None:
+        _check_worker("transfer_id", self.transfer_id)
+
+
+@wire_message(MAX_CACHE_CONTROL_BYTES)
+class StatsRequest(WireModel):
+    """Anyone -> a service on ``subjects.stats(service)``: reply with a ``StatsReply``."""
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class StatsReply(WireModel):
+    """A service's counters and accounting (keys documented by the service that sends them)."""
+    worker_id: str
+    role: str
+    stats: dict[str, Any]
+
+    def _check(self) -> None:
+        _check_worker("worker_id", self.worker_id)

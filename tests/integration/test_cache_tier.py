@@ -1,0 +1,110 @@
+"""The cache tier in a cluster (real NATS, in-process services, tiny float64 model): blocks written back by
+workers survive a full cluster restart on SSD and are pulled instead of recomputed, with output exactly the
+single-process engine's; tenants never share blocks; a missing tier costs nothing but the cache."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared import protocol
+from tests.integration.services_harness import (InProcessCluster, all_blocks_free, generate_once,
+                                                reference_outputs, wait_until)
+from tests.model_factory import write_tiny_hf_folder
+
+PROMPT = [(13 * i + 5) % 250 + 1 for i in range(77)]       # 9 full blocks of 8; 9 reusable
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def expected(folder):
+    return reference_outputs(folder, [PROMPT], MAX_TOKENS)[0]
+
+
+def request(**kw) -> protocol.GenerateRequest:
+    kw = {"max_tokens": MAX_TOKENS, "retention": "chat", **kw}
+    return protocol.GenerateRequest(prompt_token_ids=PROMPT, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def written(cluster, blocks: int) -> bool:
+    return await wait_until(lambda: cluster.tier.store.stats()["dram_blocks"] + cluster.tier.store.stats()[
+        "ssd_blocks"] >= blocks, timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["remote", "local"])
+async def test_blocks_survive_a_full_restart_and_are_pulled_exactly(nats_server, folder, expected, tmp_path, mode):
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        tokens, _, usage = await generate_once(nats_server.url, request(prefill_mode=mode))
+        assert tokens == expected and usage["cached_tokens"] == 0
+        assert await written(cluster, 9), cluster.tier.store.stats()
+    # everything stopped: the tier flushed to SSD; nothing of the first run is in any process now
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        assert cluster.tier.store.stats()["ssd_blocks"] >= 9
+        tokens, _, usage = await generate_once(nats_server.url, request(prefill_mode=mode))
+        assert tokens == expected
+        assert usage["cached_tokens"] == 9 * 8 and usage["tier_cached_tokens"] == 9 * 8
+        stats = cluster.tier.store.stats()
+        assert stats["ssd_hits"] >= 9 and stats["ssd_checksum_failures"] == 0
+        line = cluster.tier.ledger.as_dict()["by_tenant"]["default"]["chat"]
+        assert line["blocks_hit_ssd"] >= 9 and line["tokens_served"] >= 72
+        assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_decode_writes_back_output_blocks_for_the_next_turn(nats_server, folder, tmp_path):
+    """The finished sequence's blocks (prompt + output) reach the tier: a follow-up that extends the whole
+    first turn pulls blocks covering the first turn's output as well."""
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        first, _, _ = await generate_once(nats_server.url, request(max_tokens=20))
+        turn = PROMPT + first
+        assert await written(cluster, len(turn) // 8 - 1)
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        follow_up = turn + [7, 8, 9]
+        expected = reference_outputs(folder, [follow_up], 4)[0]
+        tokens, _, usage = await generate_once(nats_server.url, protocol.GenerateRequest(
+            prompt_token_ids=follow_up, max_tokens=4, temperature=0.0, ignore_eos=True, retention="chat"))
+        assert tokens == expected
+        assert usage["tier_cached_tokens"] > len(PROMPT) // 8 * 8   # more than the prompt's blocks
+
+
+async def test_tenants_never_share_tier_blocks(nats_server, folder, expected, tmp_path):
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        await generate_once(nats_server.url, request(cache_salt="tenant-a"))
+        assert await written(cluster, 9)
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path):
+        tokens, _, usage = await generate_once(nats_server.url, request(cache_salt="tenant-b"))
+        assert tokens == expected and usage["cached_tokens"] == 0
+        tokens, _, usage = await generate_once(nats_server.url, request(cache_salt="tenant-a"))
+        assert tokens == expected and usage["tier_cached_tokens"] == 72
+
+
+async def test_class_none_is_not_kept_across_a_restart(nats_server, folder, expected, tmp_path):
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        await generate_once(nats_server.url, request(retention="none"))
+        assert await written(cluster, 9)            # in DRAM only
+        assert cluster.tier.store.stats()["ssd_blocks"] == 0
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path):
+        tokens, _, usage = await generate_once(nats_server.url, request(retention="none"))
+        assert tokens == expected and usage["cached_tokens"] == 0
+
+
+async def test_an_absent_tier_changes_nothing_but_the_cache(nats_server, folder, expected):
+    async with InProcessCluster(nats_server.url, folder, cache_tier="cache-nowhere") as cluster:
+        for _ in range(2):
+            tokens, _, usage = await asyncio.wait_for(generate_once(nats_server.url, request()), 20)
+            assert tokens == expected
+        tiers = [w.tier for w in cluster.workers]
+        assert await wait_until(lambda: sum(t.counters.writes_dropped for t in tiers) >= 1)  # after the stream
+        assert all(t.counters.pulls == 0 and not t.alive for t in tiers)
+        assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_unknown_retention_class_is_an_invalid_request(nats_server, folder, tmp_path):
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path):
+        with pytest.raises(Exception) as info:
+            await generate_once(nats_server.url, request(retention="forever"))
+        assert "invalid_request" in str(info.value) and "retention" in str(info.value)

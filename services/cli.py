@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import os
 import logging
 import signal
 import sys
@@ -104,7 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                        policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
-                       cache_tier_dir=args.cache_tier_dir or "")
+                       cache_tier_dir=args.cache_tier_dir)
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
     up.add_argument("--cache-tier", type=int, default=1, metavar="N",
                     help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
-    up.add_argument("--cache-tier-dir", default=None,
+    up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
                     help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")

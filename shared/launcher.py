@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,13 +42,19 @@ class ClusterSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
     cache_tier: int = 1  # cache tier services (one per host by default; 0 = none)
-    cache_tier_dir: str = ""  # their SSD directories live under it ("" = ~/.cache/deepinfer/cache-tier)
+    cache_tier_dir: str = ""  # their SSD directories live under it ("" = a fresh temporary directory)
     cache_tier_dram_mb: int = 1024
     cache_tier_ssd_mb: int = 16384
 
+    temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
+
+    def __post_init__(self) -> None:
+        if self.cache_tier and not self.cache_tier_dir:
+            self.cache_tier_dir = tempfile.mkdtemp(prefix="deepinfer-tier-")
+            self.temp_tier_dir = True
+
     def tier_dir(self, index: int) -> str:
-        root = self.cache_tier_dir or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier")
-        return os.path.join(root, f"cache-{index}")
+        return os.path.join(self.cache_tier_dir, f"cache-{index}")
 
 
 class Cluster:
@@ -170,3 +177,5 @@ class Cluster:
                 proc.wait(5)
         if self.server is not None:
             self.server.stop()
+        if self.spec.temp_tier_dir:
+            shutil.rmtree(self.spec.cache_tier_dir, ignore_errors=True)

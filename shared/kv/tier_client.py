@@ -66,15 +66,24 @@ class TierClient:
         self._tier_seen = 0.0
         self._tasks: list[asyncio.Task] = []
         self._sub = None
+        self._first_beat = asyncio.Event()
 
-    async def start(self) -> None:
+    async def start(self, first_beat_wait_s: float = TIER_DEAD_AFTER_S) -> None:
+        """Follow the tier's heartbeats; wait up to ``first_beat_wait_s`` for the first one, so a worker that
+        starts next to a running tier uses it from its first request (a missing tier is only logged)."""
         self._sub = await self.nc.subscribe(subjects.load(self.tier_id), cb=self._on_heartbeat)
         self._tasks.append(asyncio.create_task(self._writer()))
+        try:
+            await asyncio.wait_for(self._first_beat.wait(), first_beat_wait_s)
+        except asyncio.TimeoutError:
+            logger.warning("%s: cache tier %s has not heartbeated; pulls and write-backs wait for it",
+                           self.worker_id, self.tier_id)
 
     async def _on_heartbeat(self, msg) -> None:
         with contextlib.suppress(Exception):
             report = protocol.decode(msg.data, protocol.LoadReport)
             self._tier, self._tier_seen = report, time.monotonic()
+            self._first_beat.set()
 
     @property
     def alive(self) -> bool:

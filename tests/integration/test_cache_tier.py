@@ -108,3 +108,34 @@ async def test_unknown_retention_class_is_an_invalid_request(nats_server, folder
         with pytest.raises(Exception) as info:
             await generate_once(nats_server.url, request(retention="forever"))
         assert "invalid_request" in str(info.value) and "retention" in str(info.value)
+
+
+async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_server, folder, expected, tmp_path):
+    from shared import status
+    from shared.kv.block_hash import hash_prompt_blocks
+    from tests.integration.conftest import connect
+
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        await generate_once(nats_server.url, request(cache_salt="acme"))
+        assert await written(cluster, 9)
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        model_id = cluster.workers[0].engine.model.config.model_id
+        hashes = hash_prompt_blocks(PROMPT, 8, model_id, "acme")
+        # the restarted tier announced what survived on SSD: the router's placement sees it as remote overlap
+        assert await wait_until(lambda: cluster.router.index.tier_overlap(hashes, "cache_tier") == 9)
+        tokens, _, _ = await generate_once(nats_server.url, request(cache_salt="acme"))
+        assert tokens == expected
+        nc = await connect(nats_server.url)
+        try:
+            report = await status.collect(nc, listen_s=1.3)   # router heartbeats every 1 s
+        finally:
+            await nc.close()
+    services = report["services"]
+    assert {"prefill-0", "decode-0", "cache-0"} <= set(services)
+    assert services["cache-0"]["stats"]["store"]["ssd_hits"] >= 9
+    router = next(s["stats"] for s in services.values() if s["load"]["role"] == "router")
+    line = router["accounting"]["by_tenant"]["acme"]["chat"]
+    assert line["cached_tokens"] == 72 and line["tier_tokens"] == {"cache_tier": 72}
+    assert line["uncached_tokens"] == len(PROMPT) - 72 and line["cost"] < line["cost_without_cache"]
+    text = status.format_status(report)
+    assert "cache-0" in text and "acme" in text and "ssd" in text

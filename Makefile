@@ -29,6 +29,9 @@ bench: venv
 	$(PY) -m benchmarks.kv_transfer
 	$(PY) -m benchmarks.e2e_services
 	$(PY) -m benchmarks.placement_latency
+	$(PY) -m benchmarks.cache_tier_io
+	$(PY) -m benchmarks.tier_ttft
+	$(PY) -m benchmarks.tier_replay
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,6 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=0.2, help="seconds (0 = none)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout_s")
     p.add_argument("--prefill-mode", default="auto", choices=["auto", "local", "remote"])
+    p.add_argument("--retention", default="", help="retention class of every request ('' = router default)")
     p.add_argument("--seed", type=int, default=0, help="token synthesis seed")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--simulate", action="store_true", help="also simulate the same scaled requests")
@@ -72,7 +73,8 @@ async def _replay(args, reqs) -> tuple[list[dict], float]:
     nc = await connect(args.url, "bench")
     try:
         t0 = time.perf_counter()
-        results = await replay(nc, reqs, timeout_s=args.timeout, speed=1.0, prefill_mode=args.prefill_mode)
+        results = await replay(nc, reqs, timeout_s=args.timeout, speed=1.0, prefill_mode=args.prefill_mode,
+                               retention=args.retention)
         return results, time.perf_counter() - t0
     finally:
         await nc.close()

@@ -133,6 +133,8 @@ async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_serv
     services = report["services"]
     assert {"prefill-0", "decode-0", "cache-0"} <= set(services)
     assert services["cache-0"]["stats"]["store"]["ssd_hits"] >= 9
+    pulled = sum(services[w]["stats"]["tier"]["blocks_pulled"] for w in ("prefill-0", "decode-0"))
+    assert pulled == 9 and all(services[w]["load"]["tier_block_s"] >= 0 for w in ("prefill-0", "decode-0"))
     router = next(s["stats"] for s in services.values() if s["load"]["role"] == "router")
     line = router["accounting"]["by_tenant"]["acme"]["chat"]
     assert line["cached_tokens"] == 72 and line["tier_tokens"] == {"cache_tier": 72}

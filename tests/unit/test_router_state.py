@@ -136,3 +136,19 @@ async def test_kv_event_requeue_overflow_forces_a_resync_gap():
     pub.sink("stored", [4])
     await pub.flush()
     assert [(e.seq, e.block_hashes) for e in nc.sent] == [(2, [4])]  # seq 1 skipped: the index resyncs
+
+
+def test_tier_pull_cost_is_what_the_workers_measured():
+    """Placement prices a cache-tier pull with the workers' measured seconds per block (their mean), and with
+    the profile's figure until one has pulled."""
+    from services.router.placement import Placer
+    from shared.sched.kv_index import KVIndex
+    from shared.sched.types import CostModel
+
+    table = WorkerTable(3.0)
+    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3), 0, None)
+    for wid, cost in (("p", 0.0), ("d1", 2e-4), ("d2", 4e-4)):
+        table.update(report(wid, "prefill" if wid == "p" else "decode", tier_block_s=cost))
+    states = list(table.workers.values())
+    assert placer.tier_cost(states[:1]).block_transfer_s == 1e-3
+    assert placer.tier_cost(states).block_transfer_s == pytest.approx(3e-4)

@@ -203,6 +203,27 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(bid, last=False)
 
+    def publish_computed(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first ``num_tokens`` tokens (KV computed, tokens
+        appended) in the prefix cache: after a verification step whose accepted drafts completed blocks that
+        no later allocation of this request may register (it may finish in that step)."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._register_full_blocks(request, num_tokens // self.block_size)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks beyond the ``ceil(num_tokens / block_size)`` that hold its first
+        ``num_tokens`` tokens (rejected speculative tokens). Those blocks are never in the prefix cache (only
+        full blocks of known tokens are published), so they go to the head of the free queue."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        while blocks and len(blocks) > keep:
+            block = self.blocks[blocks.pop()]
+            assert block.block_hash is None, "a trimmed block was published in the prefix cache"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a failed step left KV contents undefined)."""
         for block in self.blocks:

@@ -44,6 +44,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.held: dict[str, Request] = {}  # finished hold_kv requests whose blocks are still allocated
+        self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
         logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
                     mc.model_id, model.device, model.dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -148,7 +149,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- stepping ----------------------------------------------------------------------------------
+    def set_speculator(self, speculator) -> None:
+        """Turn speculative decoding on (a ``Speculator``) or off (None); set before stepping starts."""
+        if speculator is not None and speculator.max_model_len is None:
+            speculator.max_model_len = self.max_model_len
+        self.speculator = speculator
+
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         try:
@@ -158,15 +167,41 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()
             return [self._finish(s.request, "error") for s in sched.scheduled]
         now = time.perf_counter()
-        outputs = []
+        outputs, verified = [], False
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            drafted = len(req.spec_token_ids)
             if req.request_id in sampled:
-                outputs.append(self._append(req, sampled[req.request_id], now))
+                tokens = sampled[req.request_id]
+                if drafted:  # rejected drafts: their KV is void and their blocks go back
+                    verified = True
+                    req.num_computed_tokens -= drafted - (len(tokens) - 1)
+                    self.speculator.verified(req, drafted, len(tokens) - 1)
+                    self.block_manager.trim(req.request_id, req.num_computed_tokens)
+                req.spec_token_ids, req.spec_features = [], []
+                outputs.append(self._append(req, tokens, now))
+        if verified:
+            self.speculator.counters.steps += 1
         return outputs
 
-    def _append(self, req: Request, token: int, now: float) -> RequestOutput:
+    def _append(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
+        """Append this step's tokens (one, or accepted drafts + one) until a stop rule ends the request."""
+        text = ""
+        for i, token in enumerate(tokens):
+            piece, reason = self._append_one(req, token, now)
+            text += piece
+            if len(tokens) > 1 and (reason is not None or i == len(tokens) - 1):
+                # as plain decoding would have: blocks whose tokens all have KV, the newest token excluded
+                self.block_manager.publish_computed(req, min(req.num_computed_tokens, req.num_tokens - 1))
+            if reason is not None:
+                if req.detokenizer is not None and reason == "length":
+                    text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
+                return self._finish(req, reason, tokens[:i + 1], text)
+        return RequestOutput(req.request_id, list(tokens), text, False)
+
+    def _append_one(self, req: Request, token: int, now: float) -> tuple[str, str | None]:
+        """Append one token; ``(its text, finish reason or None)``."""
         req.append_token(token)
         if req.stats.first_token_time is None:
             req.stats.first_token_time = now
@@ -182,11 +217,7 @@ class LLMEngine:
             reason = "stop"
         elif reason is None and (req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None:
-            if req.detokenizer is not None and reason == "length":
-                text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
-            return self._finish(req, reason, [token], text)
-        return RequestOutput(req.request_id, [token], text, False)
+        return text, reason
 
     @staticmethod
     def _apply_stop_strings(req: Request, text: str) -> tuple[str, str | None]:
@@ -211,7 +242,8 @@ class LLMEngine:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         st = req.stats
         return RequestOutput(req.request_id, tokens or [], text, True, reason, req.num_prompt_tokens,
-                             st.num_cached_tokens, req.num_output_tokens, st.ttft, st.tpot)
+                             st.num_cached_tokens, req.num_output_tokens, st.ttft, st.tpot,
+                             st.num_spec_steps, st.num_drafted, st.num_accepted)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion together; return each one's output token ids (in order)."""

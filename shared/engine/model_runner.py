@@ -2,7 +2,8 @@
 
 Batch layout: single-token chunks first (decode attention over the block table), then multi-token chunks
 (prefill attention). Logits are computed only for requests whose chunk reaches the end of their known
-tokens (``ScheduledRequest.samples``).
+tokens (``ScheduledRequest.samples``): one row, or for a request verifying ``k`` drafted tokens (appended after
+its known tokens: a ``k + 1``-token chunk) the last ``k + 1`` rows, checked by ``spec_verify.verify``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kernels import cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampler import sample
+from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.llama import LlamaModel
 
@@ -46,7 +48,8 @@ class ModelRunner:
             positions.append(pos)
             slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             row0 = len(ids)
-            ids.extend(req.all_token_ids[start:start + n])
+            tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
+            ids.extend(tokens[start:start + n])
             if n == 1:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
@@ -55,7 +58,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row0, row0 + n, start + n,
                                              torch.tensor(table[:num_blocks], dtype=torch.long, device=device)))
             if s.samples:
-                logits_rows.append(row0 + n - 1)
+                k = len(req.spec_token_ids)
+                logits_rows.extend(range(row0 + n - 1 - k, row0 + n))
                 sampled.append(req)
         width = max((len(t) for t in decode_tables), default=0)
         tables = np.zeros((len(decode_tables), width), dtype=np.int32)
@@ -79,14 +83,30 @@ class ModelRunner:
             return ()
         return self._eos + p.stop_token_ids
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return ``{request_id: sampled token}`` for requests that reached a sample point."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; return ``{request_id: new tokens}`` for requests that reached a sample point: one
+        sampled token, or a speculating request's accepted drafts plus one target token."""
         if not out.scheduled:
             return {}
         input_ids, positions, meta, rows, sampled = self._prepare(out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
         if not sampled:
             return {}
-        banned = [self._banned(r) for r in sampled]
-        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled], banned)
-        return {r.request_id: t for r, t in zip(sampled, tokens)}
+        result: dict[str, list[int]] = {}
+        plain, plain_rows, row = [], [], 0
+        for req in sampled:
+            k = len(req.spec_token_ids)
+            if k:
+                result[req.request_id] = verify(logits[row:row + k + 1], req.spec_token_ids, req.params,
+                                                req.generator)
+            else:
+                plain.append(req)
+                plain_rows.append(row)
+            row += k + 1
+        if plain:
+            rows_t = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+            banned = [self._banned(r) for r in plain]
+            tokens = sample(logits[rows_t] if len(plain) < len(sampled) else logits,
+                            [r.params for r in plain], [r.generator for r in plain], banned)
+            result.update({r.request_id: [t] for r, t in zip(plain, tokens)})
+        return result

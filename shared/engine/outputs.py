@@ -19,3 +19,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     ttft: float | None = None
     tpot: float | None = None
+    num_spec_steps: int = 0  # speculative decoding: proposals verified, drafted tokens verified, accepted
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -32,6 +32,9 @@ class RequestStats:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    num_spec_steps: int = 0  # speculative decoding: verified proposals, drafted tokens verified, accepted
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -48,7 +51,8 @@ class RequestStats:
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_id", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes",
-                 "stats", "generator", "output_text", "detokenizer", "hold_kv")
+                 "stats", "generator", "output_text", "detokenizer", "hold_kv", "spec_token_ids",
+                 "spec_features")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_id: str, cache_salt: str = "") -> None:
@@ -68,11 +72,17 @@ class Request:
         self.output_text = ""
         self.detokenizer = None  # set by the engine when stop strings or text output are needed
         self.hold_kv = False  # keep blocks after finishing until released (prefill → decode hand-off)
+        self.spec_token_ids: list[int] = []  # drafted tokens verified this step (after all_token_ids)
+        self.spec_features: list = []  # their TokenFeatures (acceptance log)
         self.update_block_hashes()
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     min_tokens: int = 0
+    speculative: bool | None = None  # speculative decoding for this request; None = the engine's default
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

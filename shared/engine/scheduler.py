@@ -29,8 +29,9 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step completes the known tokens, so a next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step completes the known tokens (and any drafted ones), so a next token is sampled
+        (for a speculating request: its drafts are verified)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_spec
 
 
 @dataclass(slots=True)
@@ -68,11 +69,25 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.bm.free(victim.request_id)
+        victim.spec_token_ids, victim.spec_features = [], []
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.stats.num_preemptions += 1
         self.waiting.appendleft(victim)
         logger.debug("preempted %s (recompute %d tokens)", victim.request_id, victim.num_tokens)
+
+    def _fit_spec(self, req: Request, budget: int) -> int:
+        """Tokens to run for a running request: its pending ones plus the drafts that fit the budget and the
+        free blocks (drafts are dropped before anyone is preempted for them)."""
+        pending = req.num_tokens - req.num_computed_tokens
+        if req.spec_token_ids:
+            keep = max(0, min(len(req.spec_token_ids), budget - pending))
+            total = req.num_computed_tokens + pending + keep
+            need = -(-total // self.bm.block_size) - len(self.bm.block_ids(req.request_id))
+            if need > self.bm.num_free_blocks:
+                keep = 0
+            req.spec_token_ids, req.spec_features = req.spec_token_ids[:keep], req.spec_features[:keep]
+        return min(pending + len(req.spec_token_ids), budget)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -80,7 +95,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit_spec(req, budget)
             while self.bm.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -11,6 +11,8 @@ Invariant: whatever the mutation, a message that the cluster would accept as wor
 at most ``MAX_WORK_TOKENS`` new tokens (or, for a client request, a timeout of at most ``SHORT_TIMEOUT_S``
 that the router enforces) and a prompt either short or past the context window (rejected at once).
 
+The cache tier's subjects and messages come from ``tests/chaos/fuzz_cache.py`` (when ``tiers`` are given).
+
 Request ids come from a small pool (``fz-<k>``, and the workers' ``fz-<k>~<attempt>``) so duplicates, cancels
 of live requests and pulls of live ``stream`` transfers (``kvx.prefill-0-fz-<k>~0``) happen.
 """
@@ -28,6 +30,7 @@ import msgpack
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError
+from tests.chaos.fuzz_cache import FAMILY_TYPES, FAMILY_WEIGHTS, TierBlocks, cache_base, cache_subjects
 
 MAX_WORK_TOKENS = 8
 SHORT_TIMEOUT_S = 1.5
@@ -54,19 +57,25 @@ class FuzzMessage:
 class Fuzzer:
     """``workers``: the cluster's ids (router, prefill and decode); ``block_shape`` / ``dtype``: its KV layout
     (one block); ``prompt_tokens(request)``: how many tokens the router makes of a text or chat prompt (without
-    it, text prompts over 100 characters count as costly)."""
+    it, text prompts over 100 characters count as costly); ``tiers``: its cache tiers' ids; ``tier_blocks``:
+    blocks stored in the first tier, for fuzzed gets that hit."""
 
     def __init__(self, seed: int, *, workers: list[str], vocab: int, block_shape: list[int], dtype: str,
-                 max_model_len: int, prompt_tokens: Callable[[protocol.GenerateRequest], int] | None = None) -> None:
+                 max_model_len: int, prompt_tokens: Callable[[protocol.GenerateRequest], int] | None = None,
+                 tiers: list[str] = (), tier_blocks: TierBlocks | None = None) -> None:
         self.rng = random.Random(seed)
         self.workers = list(workers)
         self.vocab, self.block_shape, self.dtype = vocab, list(block_shape), dtype
         self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.fake_workers = ["decode-7", "prefill-9", "ghost", "router-2", "x" * 128]
+        self.tiers, self.tier_blocks = list(tiers), tier_blocks
         self.redraws = 0   # drawn messages replaced because they were costly work
         self._n = 0
         self.subjects = self._subjects()
+        families = {f for _, f in self.subjects}
+        self.families = [f for f in self._FAMILY_WEIGHTS if f in families]
+        self.family_weights = [self._FAMILY_WEIGHTS[f] for f in self.families]
 
     # ---- subjects ------------------------------------------------------------------------------------------
     def _subjects(self) -> list[tuple[str, str]]:
@@ -79,6 +88,8 @@ class Fuzzer:
         for k in range(0, ID_POOL, 6):  # live `stream` transfers of the pool's ids, and ones that never exist
             out.append((subjects.kv_pull(subjects.safe_token(f"{prefillers[0]}-fz-{k}~0")), "kvx"))
         out += [(subjects.kv_pull("nobody-fz-1~0"), "kvx"), (subjects.kv_pull("x" * 128), "kvx")]
+        if self.tiers:
+            out += cache_subjects(self.workers, self.tiers, ID_POOL)
         return out
 
     # ---- small pieces --------------------------------------------------------------------------------------
@@ -169,6 +180,8 @@ class Fuzzer:
                          dtype=self.dtype, transport=transport, handle=self._handle(transport, num_blocks),
                          num_cached_tokens=0, ttft_ms=1.0, prefill_worker=self._worker("prefill"))
             return d
+        if type_name in ("CachePut", "CacheGet", "CacheRelease", "StatsRequest"):
+            return cache_base(self, type_name)
         if type_name == "CancelRequest":
             return {"request_id": self._rid() or "fz-1"}
         if type_name == "LoadReport":
@@ -185,7 +198,7 @@ class Fuzzer:
                     "seq": rng.choice([0, 1, 2, 3, 50, 10**9]),
                     "kind": rng.choice(protocol.KV_EVENT_KINDS),
                     "block_hashes": [rng.randrange(2**64) for _ in range(rng.randint(0, 20))],
-                    "tier": rng.choice(["device", "device", "host", "disk"])}
+                    "tier": rng.choice(["device", "device", "host", "disk", "cache_tier"])}
         if type_name == "KVSnapshot":
             return {"worker_id": rng.choice(self.workers), "seq": rng.randrange(10), "block_hashes": [1, 2, 3]}
         if type_name == "TokenChunk":
@@ -199,12 +212,12 @@ class Fuzzer:
             return {"code": rng.choice(["internal", "worker_lost", "nope"]), "message": "fuzz"}
         return {"ok": rng.random() < 0.5, "detail": "fuzz"}  # Ack
 
-    _FAMILIES = ["generate", "cancel", "kv_event", "load", "prefill", "decode", "ctl", "kvx"]
-    _FAMILY_WEIGHTS = [15, 8, 10, 12, 15, 15, 8, 10]
+    _FAMILY_WEIGHTS = {"generate": 15, "cancel": 8, "kv_event": 10, "load": 12, "prefill": 15, "decode": 15,
+                       "ctl": 8, "kvx": 10, **FAMILY_WEIGHTS}
     _FAMILY_TYPES = {"generate": ["GenerateRequest"], "cancel": ["CancelRequest"], "kv_event": ["KVEvent"],
                      "load": ["LoadReport"], "prefill": ["PrefillRequest"],
                      "decode": ["KVHandoff", "DecodeLocalRequest"], "ctl": ["KVSnapshot", "CancelRequest"],
-                     "kvx": ["Ack"]}
+                     "kvx": ["Ack"], **FAMILY_TYPES}
 
     def _type_for(self, family: str) -> str:
         if self.rng.random() < 0.8:
@@ -314,7 +327,7 @@ class Fuzzer:
 
     def _draw(self) -> FuzzMessage:
         rng = self.rng
-        family = rng.choices(self._FAMILIES, self._FAMILY_WEIGHTS)[0]
+        family = rng.choices(self.families, self.family_weights)[0]
         subject = rng.choice([s for s, f in self.subjects if f == family])
         r = rng.random()
         reply = self._inbox() if r < 0.6 else None if r < 0.85 else rng.choice(

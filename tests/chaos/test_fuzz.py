@@ -1,10 +1,12 @@
 """Chaos: 10,000 hostile messages (``tests/chaos/fuzz_messages.py``, seeded) on every subject a client can
-reach, against a real cluster (nats-server, router, one prefill and one decode process).
+reach, against a real cluster (nats-server, router, one prefill, one decode and one cache-tier process); the
+tier holds a few blocks stored before the fuzzing, so fuzzed gets also hit (``tests/chaos/fuzz_cache.py``).
 
-Asserts: no router/worker process exits or logs an error or traceback (hostile input gets error codes); each
-one's resident memory grows by less than ``RSS_BOUND_MIB``;
-the services keep answering while under fire (a probe request to each request subject every ``BATCH``
-messages); afterwards a greedy request gets exactly the single-process engine's tokens. The errors the
+Asserts: no router/worker/tier process exits or logs an error or traceback (hostile input gets error codes);
+each one's resident memory grows by less than ``RSS_BOUND_MIB``; the services keep answering while under fire
+(a probe to each request subject every ``BATCH`` messages: the tier's put/get answer garbage with an error
+reply, every stats subject a ``StatsReply``); afterwards a greedy request gets exactly the single-process
+engine's tokens and the tier serves the blocks stored before the fuzzing byte for byte. The errors the
 fuzzing provoked are printed from the services' logs (an ``internal`` "handler failed" is a bug to fix).
 
 Each bug the fuzzing found has its own regression test below (all fixed): long reply subjects, subnormal
@@ -18,7 +20,6 @@ import collections
 import json
 import math
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -27,12 +28,15 @@ import msgpack
 import pytest
 
 from shared.client import generate
-from shared.launcher import Cluster, ClusterSpec
+from shared.launcher import Cluster
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.tokenizer import Tokenizer
+from tests.chaos.fuzz_cache import TierBlocks, seed_tier, served_exactly
+from tests.chaos.fuzz_cluster import (GOOD_MAX_TOKENS, cluster_spec, good_request, probe, rss_mib, scan_logs,
+                                      serve_and_sniff_handoff, wait_idle)
 from tests.chaos.fuzz_messages import Fuzzer
 from tests.integration.conftest import connect, start_nats_server
 from tests.integration.test_failures import reference
@@ -42,119 +46,9 @@ N_MESSAGES = 10_000
 SEED = 20_250_601
 BATCH = 250                 # messages between two liveness probes (also paces the publisher)
 RSS_BOUND_MIB = 200
-PROBE_TIMEOUT_S = 20.0
 WORKERS = ["router", "prefill-0", "decode-0"]
+TIERS = ["cache-0"]            # the cluster's cache tier (``ClusterSpec.cache_tier`` = 1)
 GOOD_PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 3, [40, 41, 42, 43, 44, 45, 46] * 4]
-GOOD_MAX_TOKENS = 16
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def good_request(prompt: list[int]) -> protocol.GenerateRequest:
-    return protocol.GenerateRequest(prompt_token_ids=prompt, max_tokens=GOOD_MAX_TOKENS, temperature=0.0,
-                                    ignore_eos=True, prefill_mode="remote", timeout_s=60.0)
-
-
-def cluster_spec(server, folder, decode: int = 1) -> ClusterSpec:
-    return ClusterSpec(prefill=1, decode=decode, nats_url=server.url, model=str(folder), kv_cache_mb=32,
-                       local_prefill_threshold=0, dtype="float64")
-
-
-async def probe(nc, workers: tuple[str, ...] = ("prefill-0", "decode-0")) -> dict[str, float | BaseException]:
-    """Ask every request subject something it must answer (an error reply or a snapshot): seconds per subject,
-    or the exception (timeout, no responders) of a subject that did not answer."""
-    bad = msgpack.packb({"v": 1, "type": "Nope"})
-    asks = {subjects.GENERATE: bad, **{subjects.ctl(w, "kv_snapshot"): b"" for w in workers},
-            **{(subjects.prefill(w) if w.startswith("prefill") else subjects.decode(w)): bad for w in workers}}
-
-    async def one(subject: str, body: bytes) -> float:
-        t0 = time.monotonic()
-        await nc.request(subject, body, timeout=PROBE_TIMEOUT_S)
-        return time.monotonic() - t0
-
-    answers = await asyncio.gather(*(one(s, b) for s, b in asks.items()), return_exceptions=True)
-    return dict(zip(asks, answers))
-
-
-async def serve_and_sniff_handoff(nc, request: protocol.GenerateRequest, decode_worker: str) -> tuple[list, dict]:
-    """Serve ``request`` (remote prefill) and return its tokens and the KVHandoff the decode worker received,
-    as a plain dict (the KV layout and handle format of this cluster, whatever the protocol version)."""
-    handoffs: list[dict] = []
-
-    async def on_msg(msg) -> None:
-        body = msgpack.unpackb(msg.data)
-        if isinstance(body, dict) and body.get("type") == "KVHandoff":
-            handoffs.append(body)
-
-    sub = await nc.subscribe(subjects.decode(decode_worker), cb=on_msg)
-    try:
-        ids, _, _ = await generate(nc, request)
-    finally:
-        await sub.unsubscribe()
-    assert handoffs, "no KV hand-off seen: the request did not prefill remotely"
-    return ids, handoffs[0]
-
-
-async def wait_idle(nc, timeout: float) -> None:
-    """Until the real prefill and decode workers heartbeat with nothing running or waiting."""
-    idle: set[str] = set()
-
-    async def on_load(msg) -> None:
-        body = msgpack.unpackb(msg.data)
-        if (isinstance(body, dict) and body.get("worker_id") in ("prefill-0", "decode-0")
-                and body.get("host") != "fuzzhost"):  # not a fuzzed heartbeat still in flight
-            busy = body.get("num_running") or body.get("num_waiting")
-            (idle.discard if busy else idle.add)(body["worker_id"])
-
-    sub = await nc.subscribe(subjects.LOAD_ALL, cb=on_load)
-    try:
-        deadline = time.monotonic() + timeout
-        while len(idle) < 2:
-            assert time.monotonic() < deadline, f"workers still busy {timeout:.0f} s after the fuzzing: {idle}"
-            await asyncio.sleep(0.2)
-    finally:
-        await sub.unsubscribe()
-
-
-_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) (?P<logger>\S+): (?P<msg>.*)$")
-
-
-def _normalise(text: str, n: int = 100) -> str:
-    text = re.sub(r"fz-\d+(~\d+)?", "fz-N", text)
-    text = re.sub(r"_INBOX\.\S+", "_INBOX.*", text)
-    return re.sub(r"\d+", "N", text)[:n]
-
-
-def scan_logs(log_dir: Path) -> tuple[dict[str, collections.Counter], collections.Counter]:
-    """Per process: records by level; and the distinct errors (process, message, innermost frame, exception)
-    with their counts: every ERROR record, every record with a traceback, every line that is not a record."""
-    levels: dict[str, collections.Counter] = {}
-    errors: collections.Counter = collections.Counter()
-    for path in sorted(log_dir.glob("*.log")):
-        name = path.stem
-        levels[name] = collections.Counter()
-        records: list[list[str]] = []
-        for line in path.read_text(errors="replace").splitlines():
-            if _RECORD.match(line) or not records:
-                records.append([line])
-            else:
-                records[-1].append(line)
-        for rec in records:
-            m = _RECORD.match(rec[0])
-            level = m["level"] if m else "RAW"
-            levels[name][level] += 1
-            has_tb = any(line.startswith("Traceback") for line in rec)
-            if level in ("ERROR", "CRITICAL") or has_tb or (level == "RAW" and rec[0].strip()):
-                frames = [line.strip() for line in rec if line.strip().startswith("File ")]
-                last = rec[-1].strip() if has_tb else ""
-                where = _normalise(frames[-1], 160) if frames else ""
-                errors[(name, _normalise(m["msg"] if m else rec[0]), where, _normalise(last, 160))] += 1
-    return levels, errors
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +56,7 @@ def folder(tmp_path_factory):
     return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=9, max_position_embeddings=4096)
 
 
-def make_fuzzer(folder: Path, handoff: dict, seed: int = SEED) -> Fuzzer:
+def make_fuzzer(folder: Path, handoff: dict, tier_blocks: TierBlocks | None = None, seed: int = SEED) -> Fuzzer:
     config = json.loads((folder / "config.json").read_text())
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
 
@@ -171,7 +65,8 @@ def make_fuzzer(folder: Path, handoff: dict, seed: int = SEED) -> Fuzzer:
         return len(tokenizer.encode(text))
 
     return Fuzzer(seed, workers=WORKERS, vocab=config["vocab_size"], block_shape=handoff["block_shape"],
-                  dtype=handoff["dtype"], max_model_len=config["max_position_embeddings"], prompt_tokens=prompt_tokens)
+                  dtype=handoff["dtype"], max_model_len=config["max_position_embeddings"], prompt_tokens=prompt_tokens,
+                  tiers=TIERS, tier_blocks=tier_blocks)
 
 
 @pytest.mark.timeout(120)
@@ -186,9 +81,11 @@ async def test_fuzzed_messages_on_every_subject(folder):
         nc = await connect(server.url)
         ids, handoff = await serve_and_sniff_handoff(nc, good_request(GOOD_PROMPTS[0]), "decode-0")
         assert ids == want[0], "the cluster is wrong before any fuzzing"
+        assert set(cluster.procs) == {*WORKERS, *TIERS}, cluster.procs
+        seeded = await seed_tier(nc, TIERS[0], handoff["dtype"], handoff["block_shape"], SEED)
         rss_before = {name: rss_mib(p.pid) for name, p in cluster.procs.items()}
 
-        fuzzer = make_fuzzer(folder, handoff)
+        fuzzer = make_fuzzer(folder, handoff, seeded)
         sent, used_subjects, kinds, slowest = 0, set(), collections.Counter(), 0.0
         for msg in fuzzer.messages(N_MESSAGES):
             await nc.publish(msg.subject, msg.data, reply=msg.reply or "")
@@ -197,9 +94,9 @@ async def test_fuzzed_messages_on_every_subject(folder):
             kinds[msg.kind] += 1
             if sent % BATCH == 0:
                 await nc.flush()
-                answers = await probe(nc)
+                answers = await probe(nc, tiers=tuple(TIERS))
                 silent = {s: repr(a) for s, a in answers.items() if isinstance(a, BaseException)}
-                assert not silent, f"after {sent} messages, no answer from {silent} (logs {cluster.log_dir})"
+                assert not silent, f"after {sent} messages, no or wrong answer from {silent} (logs {cluster.log_dir})"
                 assert all(p.poll() is None for p in cluster.procs.values()), \
                     {n: p.returncode for n, p in cluster.procs.items()}
                 slowest = max(slowest, *answers.values())
@@ -210,6 +107,7 @@ async def test_fuzzed_messages_on_every_subject(folder):
         await wait_idle(nc, 30.0)
         ids, _, usage = await generate(nc, good_request(GOOD_PROMPTS[1]))
         exact = ids == want[1]
+        tier_intact = await served_exactly(nc, seeded, "fz-check")
         rss_after = {name: rss_mib(p.pid) for name, p in cluster.procs.items()}
         growth = {name: round(rss_after[name] - rss_before[name], 1) for name in rss_before}
         exits = {name: p.returncode for name, p in cluster.procs.items() if p.poll() is not None}
@@ -225,13 +123,14 @@ async def test_fuzzed_messages_on_every_subject(folder):
     print("log records by level:", {name: dict(c) for name, c in levels.items()})
     for (name, message, where, exc), count in sorted(errors.items(), key=lambda kv: -kv[1]):
         print(f"  {count:5d}x {name}: {message} | {where} | {exc}")
-    print(f"chaos fuzz: sent={sent} subjects={len(used_subjects)} router/worker exits={len(exits)} "
-          f"rss_growth_mib={growth} good_request={'exact' if exact else 'DIFFERENT'}")
+    print(f"chaos fuzz: sent={sent} subjects={len(used_subjects)} router/worker/tier exits={len(exits)} "
+          f"rss_growth_mib={growth} good_request={'exact' if exact else 'DIFFERENT'} tier_blocks_intact={tier_intact}")
 
     assert not exits, f"processes exited: {exits}"
     assert sent == N_MESSAGES
     assert all(g < RSS_BOUND_MIB for g in growth.values()), f"RSS grew by {growth} MiB (bound {RSS_BOUND_MIB})"
     assert exact, f"after fuzzing: {ids} != {want[1]} (usage {usage})"
+    assert tier_intact, "after fuzzing, the tier no longer serves the blocks stored before it exactly"
     assert not errors, f"hostile input must get error codes, never a handler crash or traceback: {errors}"
     if not os.environ.get("CHAOS_KEEP_LOGS"):
         shutil.rmtree(cluster.log_dir, ignore_errors=True)

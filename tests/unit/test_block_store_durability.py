@@ -146,3 +146,24 @@ async def test_every_fsync_policy_round_trips_across_restart(tmp_path, clock, fs
         await store.put_many(blocks, "agent")
     async with await open_store(tmp_path, clock, dram_bytes=2 * 272, fsync=fsync) as store:
         assert [await store.get(b.block_hash, b.token_ids, "agent") for b in blocks] == blocks
+
+
+async def test_a_write_through_put_whose_ssd_write_fails_is_refused(tmp_path, clock, monkeypatch):
+    """With no DRAM tier a put is on SSD or refused: an SSD error is ``unavailable``, never a silent ack."""
+    from shared.errors import DeepinferError, ErrorCode
+
+    store = await open_store(tmp_path, clock, dram_bytes=0)
+    try:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(store._ssd, "put_many", disk_full)
+        with pytest.raises(DeepinferError) as info:
+            await store.put_many(make_blocks(2), "chat")
+        assert info.value.code == ErrorCode.UNAVAILABLE
+        assert store.stats()["writeback_failures"] == 2
+        monkeypatch.undo()
+        await store.put_many(make_blocks(2, seed=1), "none")        # DRAM-only class: nothing to lose
+        await store.put_many(make_blocks(2, seed=2), "chat")         # the disk works again
+        assert store.where(make_blocks(2, seed=2)[1].block_hash) == "ssd"
+    finally:
+        await store.close()

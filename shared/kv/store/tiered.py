@@ -14,7 +14,8 @@ Invariants:
 - Any hit or re-put extends the block's expiry (``RetentionPolicy.extend``); the SSD learns about DRAM-side
   extensions in batches (at most ``MAX_PENDING_TOUCHES`` waiting).
 - Durability: ``put``/``put_many`` return once the blocks are in DRAM (or, if DRAM pushed them out, on SSD);
-  an SSD write error there is logged and counted, never raised. ``flush`` writes every dirty DRAM block and
+  when a block of the call itself (durable class) ends up in neither because its SSD write failed, the call
+  raises ``unavailable``; a write-back failure of *other* blocks it pushed out is logged and counted. ``flush`` writes every dirty DRAM block and
   returns only when all of it is durable, else raises ``unavailable``; ``close`` flushes first.
 - Bounds: DRAM by ``dram_bytes``; SSD by ``ssd_bytes``; a call takes at most ``MAX_BATCH_BLOCKS`` blocks;
   at most ``MAX_PENDING_TOUCHES`` extensions wait on the loop side. Blocks in flight to SSD are those pushed
@@ -115,6 +116,11 @@ class TieredBlockStore:
             pushed += self._dram.put(DramEntry(block, meta, on_ssd=same and old.on_ssd))
         self._stats.dram_evictions += len(pushed)
         await self._write_back(pushed, now)
+        if self.config.retention.ttl(retention) > 0:
+            lost = [b.block_hash for b in blocks if self.where(b.block_hash) is None]
+            if lost:   # pushed straight out of DRAM (write-through, or too big) and the SSD write failed
+                raise DeepinferError(ErrorCode.UNAVAILABLE, f"{len(lost)} of {len(blocks)} blocks could not be "
+                                     "written to SSD")
 
     def _check_blocks(self, blocks: object) -> None:
         if not isinstance(blocks, Sequence) or len(blocks) > MAX_BATCH_BLOCKS:

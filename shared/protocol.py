@@ -9,8 +9,8 @@ missing/mistyped/unknown fields; ``unsupported_version`` for a missing or wrong 
 over the per-type byte limit. ``encode`` enforces the same byte limits, so a sender learns first.
 
 The cluster's control-plane messages (heartbeats, registry entries, KV events and snapshots, request probes)
-are defined in ``shared.protocol_control``, the cache tier's and the stats messages in ``shared.protocol_cache``;
-both are re-exported here: import every message from this module.
+are defined in ``shared.protocol_control``, the cache tier's and the stats messages in ``shared.protocol_cache``,
+the draft service's in ``shared.protocol_draft``; all are re-exported here: import every message from this module.
 
 Errors over NATS: a service answers a failed request with ``encode(ErrorReply.from_exception(err))`` as the
 body and ``error_headers(err)`` as headers; callers use ``decode_reply`` to get the message or the raised
@@ -29,6 +29,7 @@ from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES
                                      LoadReport, RequestProbe, WorkerInfo)
 from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
                                    StatsRequest)
+from shared.protocol_draft import DraftReply, DraftRequest
 from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireModel, decode,
                                     encode, registered_types, wire_field, wire_message)
 
@@ -36,7 +37,8 @@ __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CH
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk",
            "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest", "RequestProbe", "Ack", "ErrorReply",
            "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
-           "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply"]
+           "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply", "DraftRequest",
+           "DraftReply"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
@@ -74,6 +76,7 @@ class Sampling(WireModel):
     stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
+    speculative: bool | None = None  # speculative decoding; None = the decode worker's default
 
     def _check(self) -> None:
         check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
@@ -103,6 +106,7 @@ class GenerateRequest(WireModel):
     prefill_mode: str = "auto"      # "auto" | "remote" | "local"
     transport: str = ""             # force a KV transport; "" = router chooses
     retention: str = ""             # cache retention class; "" = by API (messages: chat, else none)
+    speculative: bool | None = None  # speculative decoding on/off for this request; None = deployment default
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id, allow_empty=True)
@@ -126,7 +130,7 @@ class GenerateRequest(WireModel):
         """The request's sampling parameters as the nested wire message (validated: ``invalid_request``)."""
         return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                         top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                        ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+                        ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, speculative=self.speculative)
 
 
 @wire_message(MAX_CHUNK_BYTES)

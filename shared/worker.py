@@ -200,7 +200,7 @@ def sampling_params(sampling: protocol.Sampling) -> SamplingParams:
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p, seed=sampling.seed, stop=tuple(sampling.stop),
                           stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-                          min_tokens=sampling.min_tokens)
+                          min_tokens=sampling.min_tokens, speculative=sampling.speculative)
 
 
 def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None) -> None:

@@ -13,6 +13,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_validation import WireModel, build, wire_field
 from tests.unit.test_protocol_cache import CACHE_SAMPLES
+from tests.unit.test_protocol_draft import DRAFT_SAMPLES
 
 SAMPLING = p.Sampling(max_tokens=8, temperature=0.0, seed=3, stop=["\n"])
 
@@ -43,6 +44,7 @@ SAMPLES = {
     "KVEvent": p.KVEvent(worker_id="prefill-0", seq=1, kind="stored", block_hashes=[0, 1, 2**63, 2**64 - 1]),
     "KVSnapshot": p.KVSnapshot(worker_id="decode-0", seq=7, block_hashes=[3, 2**64 - 1]),
     **CACHE_SAMPLES,
+    **DRAFT_SAMPLES,
 }
 
 

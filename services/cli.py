@@ -105,7 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                        policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
-                       cache_tier_dir=args.cache_tier_dir)
+                       cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter)
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
     up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
                     help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
+    up.add_argument("--draft", default="", metavar="N|local",
+                    help="speculative decoding: N draft services, or 'local' (a drafter inside each decode worker)")
+    up.add_argument("--drafter", default="prompt_lookup",
+                    help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
@@ -222,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw report as JSON")
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
-    serve.add_argument("service", choices=["router", "prefill", "decode", "cache-tier"])
+    serve.add_argument("service", choices=["router", "prefill", "decode", "cache-tier", "draft"])
+
+    spec = sub.add_parser("spec", help="speculative decoding tools")
+    spec_sub = spec.add_subparsers(dest="spec_command", required=True)
+    from shared.spec import train_head
+
+    train_head.add_parser(spec_sub)
     return parser
 
 
@@ -240,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args, extra)
         if args.command == "status":
             return asyncio.run(_status(args))
+        if args.command == "spec":
+            from shared.spec import train_head
+
+            return train_head.run(args, print)
         if args.command in ("simulate", "bench"):
             from benchmarks import simulate_cmd, trace_bench
 

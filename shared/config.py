@@ -38,10 +38,22 @@ class WorkerConfig:
     cache_tier: str = ""  # id of the cache tier service to pull from and write back to ("" = none)
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
+    draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
+    drafter: str = "prompt_lookup"  # with draft=local: prompt_lookup | self:<layers> | a smaller model's path
+    spec_k: int = 5  # tokens drafted per sequence and step
+    spec_max_batch: int = 8  # speculate only while at most this many sequences run
+    spec_default: bool = True  # requests that do not say (``speculative`` unset) speculate
+    spec_head: str = ""  # confidence head JSON ("" = the shipped head of the drafter if any, else fixed k)
+    spec_log: str = ""  # append an acceptance log (JSON lines) here, for ``deepinfer spec train-head``
+    draft_timeout_s: float = 0.1  # draft=remote: a step waits at most this for proposals, then decodes plainly
 
     def __post_init__(self) -> None:
         if self.tier_timeout_s <= 0 or self.tier_write_queue < 0:
             raise ValueError("tier_timeout_s must be positive and tier_write_queue >= 0")
+        if self.draft not in ("", "local", "remote") or not 1 <= self.spec_k <= 16 or self.spec_max_batch < 1 \
+                or self.draft_timeout_s <= 0:
+            raise ValueError("draft must be '', local or remote; spec_k in 1..16; spec_max_batch >= 1; "
+                             "draft_timeout_s > 0")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if not self.worker_id:
@@ -124,6 +136,27 @@ class CacheTierConfig:
                 or self.gc_interval_s <= 0 or self.stage_ttl_s <= 0 or self.fetch_timeout_s <= 0
                 or self.max_staged_mb <= 0 or self.drain_grace_s < 0):
             raise ValueError("invalid cache tier config")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """The draft service (``services/draft``): proposes tokens for decode workers of ``model``."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    worker_id: str = ""
+    model: str = ""  # the target model (GGUF file or HF folder; "" = default SmolLM2): its id names the subject
+    drafter: str = "self:8"  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
+    window: int = 128  # a model drafter rebuilds its state from this many last tokens
+    dtype: str = "auto"
+    threads: int = 0  # 0 = all CPUs this process may use
+    heartbeat_s: float = 1.0
+    drain_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"draft-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        if self.window < 1 or self.threads < 0 or self.heartbeat_s <= 0 or self.drain_grace_s < 0:
+            raise ValueError("invalid draft service config")
 
 
 def _parse(kind: type, text: str) -> Any:

@@ -45,6 +45,8 @@ class ClusterSpec:
     cache_tier_dir: str = ""  # their SSD directories live under it ("" = a fresh temporary directory)
     cache_tier_dram_mb: int = 1024
     cache_tier_ssd_mb: int = 16384
+    draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
+    drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path
 
     temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
 
@@ -78,10 +80,20 @@ class Cluster:
         engines = max(1, s.prefill + s.decode)
         threads = max(1, len(os.sched_getaffinity(0)) // engines)
         tier = ["--cache-tier", f"cache-{index % s.cache_tier}"] if s.cache_tier else []
+        if role == "decode" and s.draft:
+            tier += ["--draft", "local" if s.draft == "local" else "remote", "--drafter", s.drafter]
         self._spawn(name, f"services.{role}", ["--nats-url", self.nats_url, "--worker-id", name,
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *(["--model", s.model] if s.model else [])], threads)
+        return name
+
+    def spawn_draft(self, index: int) -> str:
+        """Start draft service ``draft-<index>`` (one thread: it shares the machine with the engines)."""
+        s, name = self.spec, f"draft-{index}"
+        self._spawn(name, "services.draft", ["--nats-url", self.nats_url, "--worker-id", name, "--drafter",
+                                             s.drafter, "--threads", "1", "--dtype", s.dtype,
+                                             *(["--model", s.model] if s.model else [])], 1)
         return name
 
     def spawn_tier(self, index: int) -> str:
@@ -102,6 +114,8 @@ class Cluster:
         names = ["router"] + [self.spawn_tier(i) for i in range(s.cache_tier)]
         names += [self.spawn_worker("prefill", i) for i in range(s.prefill)]
         names += [self.spawn_worker("decode", i) for i in range(s.decode)]
+        if s.draft not in ("", "local"):
+            names += [self.spawn_draft(i) for i in range(int(s.draft))]
         await self.wait_healthy(names, s.start_timeout_s)
 
     def respawn_router(self) -> None:

@@ -43,6 +43,7 @@ class Worker(Service):
         self.transports: dict = {}
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
         self.tier: TierClient | None = None
+        self.spec_log = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -58,6 +59,8 @@ class Worker(Service):
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
         engine.set_kv_event_sink(self.kv_events.sink)  # before the engine thread starts
+        if c.role == "decode" and c.draft:
+            engine.set_speculator(self._speculator(engine))
         self.aengine = AsyncEngine(engine)
         self.aengine.start()
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
@@ -86,6 +89,29 @@ class Worker(Service):
     async def serve_handlers(self) -> None:
         raise NotImplementedError
 
+    def _speculator(self, engine: LLMEngine):
+        """Speculative decoding for this decode worker: an in-process drafter or the draft service, the
+        confidence head (the drafter's shipped head, else fixed k), the acceptance log when asked for."""
+        from shared.engine.speculator import SpecConfig, Speculator
+        from shared.spec.acceptance_log import AcceptanceLog
+        from shared.spec.confidence import FixedK, load_head
+        from shared.spec.factory import make_drafter, shipped_head
+        from shared.spec.remote import RemoteDrafter
+
+        c = self.config
+        if c.draft == "local":
+            drafter = make_drafter(c.drafter, engine.model)
+        else:
+            subject = subjects.draft(subjects.safe_token(engine.model.config.model_id))
+            drafter = RemoteDrafter(self.nc, asyncio.get_running_loop(), subject, c.draft_timeout_s)
+        head_path = c.spec_head or (shipped_head(c.drafter) if c.draft == "local" else None)
+        head = load_head(head_path, c.spec_k) if head_path else FixedK(c.spec_k)
+        self.spec_log = AcceptanceLog(c.spec_log) if c.spec_log else None
+        logger.info("%s: speculative decoding with %s drafter %s, head %r, k=%d up to %d sequences", c.worker_id,
+                    c.draft, getattr(drafter, "name", "?"), head, c.spec_k, c.spec_max_batch)
+        return Speculator(drafter, SpecConfig(k=c.spec_k, max_batch=c.spec_max_batch, default_on=c.spec_default),
+                          head, self.spec_log)
+
     async def _cached_hashes(self) -> list[int]:
         return await self.aengine.call(self.engine.cached_block_hashes)
 
@@ -107,9 +133,10 @@ class Worker(Service):
         if not msg.reply:
             return
         bm = self.engine.block_manager
+        spec = self.engine.speculator
         stats = {**self.aengine.load(), "prefix_query_tokens": bm.num_query_tokens,
                  "prefix_hit_tokens": bm.num_hit_tokens, "errors": dict(self.runtime.error_counts),
-                 "tier": self.tier.stats() if self.tier else None}
+                 "tier": self.tier.stats() if self.tier else None, "speculative": spec.stats() if spec else None}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id,
                                                               role=self.config.role, stats=stats)))
 
@@ -160,6 +187,9 @@ class Worker(Service):
             usage = {"prompt_tokens": out.num_prompt_tokens, "cached_tokens": out.num_cached_tokens,
                      "completion_tokens": out.num_output_tokens,
                      "tpot_ms": (out.tpot or 0.0) * 1000.0, **(extra_usage or {})}
+            if out.num_spec_steps:
+                usage.update(spec_steps=out.num_spec_steps, spec_drafted_tokens=out.num_drafted_tokens,
+                             spec_accepted_tokens=out.num_accepted_tokens)
         chunk = protocol.TokenChunk(request_id=out.request_id, seq=seq, token_ids=list(out.new_token_ids),
                                     text=out.new_text, final=out.finished, finish_reason=out.finish_reason,
                                     usage=usage)
@@ -175,6 +205,8 @@ class Worker(Service):
         for transport in self.transports.values():
             await transport.close()
         await self.aengine.stop()
+        if self.spec_log is not None:
+            self.spec_log.close()
         await rt.close()
         logger.info("%s stopped", self.config.worker_id)
 

@@ -108,10 +108,8 @@ class Speculator:
         st.num_accepted += num_accepted
         if self.log is not None:
             name = getattr(self.drafter, "name", "?")
-            for i, features in enumerate(req.spec_features[:num_drafted]):
-                if i > num_accepted:
-                    break       # verification never sees past the first rejection
-                self.log.record(features, int(i < num_accepted), name, c.proposals)
+            for i, features in enumerate(req.spec_features[:num_drafted]):   # every token the target verified;
+                self.log.record(features, int(i < num_accepted), name, c.proposals)  # after a rejection: 0
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()

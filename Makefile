@@ -32,6 +32,7 @@ bench: venv
 	$(PY) -m benchmarks.cache_tier_io
 	$(PY) -m benchmarks.tier_ttft
 	$(PY) -m benchmarks.tier_replay
+	$(PY) -m benchmarks.spec_decode
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -37,6 +37,7 @@ def run(prompts: list[list[int]], new_tokens: int, drafter: str | None, head: st
         spec = Speculator(make_drafter(drafter, engine.model), SpecConfig(k=5, max_batch=max_batch), trimmer)
         engine.set_speculator(spec)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    engine.generate([prompts[0][:32]], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up, untimed
     outputs, tokens, t0 = [], 0, time.perf_counter()
     batches = [prompts] if concurrent else [[p] for p in prompts]
     for batch in batches:

@@ -1,9 +1,11 @@
 """Turns a ``SchedulerOutput`` into one forward pass over the paged KV cache and samples next tokens.
 
 Batch layout: single-token chunks first (decode attention over the block table), then multi-token chunks
-(prefill attention). Logits are computed only for requests whose chunk reaches the end of their known
-tokens (``ScheduledRequest.samples``): one row, or for a request verifying ``k`` drafted tokens (appended after
-its known tokens: a ``k + 1``-token chunk) the last ``k + 1`` rows, checked by ``spec_verify.verify``.
+(prefill attention). A request verifying ``k`` drafted tokens runs as ``k + 1`` decode rows over its block
+table (row ``i`` with context ``start + i + 1``): exactly the attention plain decoding computes for those
+positions, through the fast decode kernel. Logits are computed only for requests whose chunk reaches the end
+of their known tokens (``ScheduledRequest.samples``): one row, or the ``k + 1`` rows checked by
+``spec_verify.verify``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ from shared.engine.scheduler import SchedulerOutput
 from shared.model.llama import LlamaModel
 
 
+def _decode_like(s) -> bool:
+    """A plain decode, or a verification of drafted tokens right after the pending one: every row attends the
+    paged cache through the decode kernel (its KV, drafts included, is stored before attention runs)."""
+    req = s.request
+    return s.num_new_tokens == 1 or (bool(req.spec_token_ids) and req.num_computed_tokens == req.num_tokens - 1
+                                      and s.num_new_tokens == len(req.spec_token_ids) + 1)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
         self.model, self.bm = model, block_manager
@@ -32,7 +42,7 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput):
         bs, device = self.bm.block_size, self.model.device
-        ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # stable: decodes first
+        ordered = sorted(out.scheduled, key=lambda s: not _decode_like(s))  # stable: decodes first
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -50,9 +60,9 @@ class ModelRunner:
             row0 = len(ids)
             tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
             ids.extend(tokens[start:start + n])
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if _decode_like(s):  # one decode row per token (a verification: row i sees positions <= start + i)
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 num_blocks = -(-(start + n) // bs)
                 prefills.append(PrefillChunk(row0, row0 + n, start + n,

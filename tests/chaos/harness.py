@@ -2,7 +2,7 @@
 
 - ``make_prompt(i, length)``: distinct, deterministic token prompts (the first two tokens encode ``i``).
 - ``reference(folder, prompts, max_tokens)``: greedy outputs of the single-process engine (one batch, a KV
-  pool big enough for all of them, no prefix cache), as in ``tests/integration/test_failures.py``.
+  pool big enough for all of them, no prefix cache, one thread), as in ``tests/integration/test_failures.py``.
 - ``stream_request``: a client stream consumer on a raw inbox subscription that records every chunk as it
   arrives, so a test can tell a gap (a seq skipped) from a duplicate (a seq received twice, also after the
   final chunk) from a stream that never ends (client-side idle or deadline timeout). It never raises for what
@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
+import torch
 
 from shared import protocol, subjects
 from shared.launcher import Cluster, ClusterSpec
@@ -48,13 +49,23 @@ def make_prompt(i: int, length: int, seed: int = 0) -> list[int]:
 
 
 def reference(folder: Path | str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Greedy, ``ignore_eos`` outputs of the single-process engine for each (prompt, max_tokens)."""
+    """Greedy, ``ignore_eos`` outputs of the single-process engine for each (prompt, max_tokens).
+
+    One intra-op thread: the tiny model's ops are too small to gain from a second one, and under CPU contention
+    threads that meet at every op slow it down many times over (4 x 3000 tokens on 2 cores: 9 s with 2 threads,
+    10 s with 1 alone; next to 4 busy processes 113 s with 2 threads, 39 s with 1). The engine sets torch's
+    thread count process-wide; it is restored afterwards."""
     block = 8
     blocks = sum(math.ceil((len(p) + m) / block) + 1 for p, m in zip(prompts, max_tokens)) + 16
-    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=block, num_kv_blocks=blocks,
-                                                           max_num_seqs=256, enable_prefix_caching=False))
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    return engine.generate(prompts, params)
+    threads = torch.get_num_threads()
+    try:
+        engine = LLMEngine.from_path(str(folder), EngineConfig(
+            dtype="float64", block_size=block, num_kv_blocks=blocks, max_num_seqs=256, enable_prefix_caching=False,
+            num_threads=1))
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+        return engine.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def chaos_cluster(server, folder: Path | str, prefill: int, decode: int, drain_grace_s: str) -> Cluster:

@@ -6,9 +6,10 @@ directory, and read back through the transport.
 Asserts, after every restart: every acknowledged block is served byte-identical; every block ever sent but
 not acknowledged is either absent or byte-identical (a torn block is never served); a SIGKILL leaves no
 checksum failures (at most a torn tail, cut off at open) and the tier keeps taking puts and gets. A variant
-flips one payload byte of two stored records (a sealed segment's, caught on read; the newest segment's, caught
-at open) and appends half a record (a torn write) between the kill and the restart: those blocks are misses,
-each counted once in ``ssd_checksum_failures``, the tail is cut, every other block is still served exactly.
+flips one payload byte of two stored records (a sealed segment's, caught on read; the last record's, caught at
+open when it is in the newest segment) and leaves half a record (a torn write) at the end of the newest segment,
+in place of whatever the SIGKILL tore there, between the kill and the restart: those blocks are misses, each
+counted once in ``ssd_checksum_failures``, exactly the torn tail is cut, every other block is still served exactly.
 
 Payloads are re-derived from ``(SEED, put_id, k)``, so nothing is kept in memory but ids.
 """
@@ -220,15 +221,26 @@ def stored_records(directory: Path) -> list[tuple[Path, int, RecordHeader]]:
     return out
 
 
-def damage(directory: Path, ledger: Ledger) -> tuple[dict[tuple[int, int], str], int]:
+def damage(directory: Path, ledger: Ledger) -> tuple[dict[tuple[int, int], str], int, int, bool]:
     """Flip one payload byte of the first acknowledged block (oldest segment: sealed, caught on read) and of the
-    last whole record (newest segment: caught at open if it is the newest file), then append the first half
-    of that record to the newest file (a torn write). Returns {(put_id, k): segment} and the torn bytes."""
+    last whole record (caught at open if it is in the newest segment, on read otherwise), then leave a torn
+    write at the end of the newest segment: the first half of that record, written where the store writes its
+    next record (right after the last whole record). Whatever the SIGKILL itself left there (a short write of
+    the record being appended: ``write(2)`` stops at a fatal signal) is replaced, not appended to: the store
+    never writes past a torn record (the process that tore it is dead; the next open cuts it before any
+    append), and bytes after one could complete it, so a scan would take the pair for a whole record with a
+    bad crc and cut less than was appended. Returns {(put_id, k): segment}, the torn bytes, the bytes the
+    SIGKILL had torn, and whether the last record is in the newest segment."""
     where = {h: (put_id, k) for put_id in ledger.issued for k, h in enumerate(put_layout(put_id)[0])}
     records = [r for r in stored_records(directory) if r[2].block_hash in where]
     first = next(r for r in records if where[r[2].block_hash][0] in ledger.acked)
     last = records[-1]
     assert first[0] != last[0], "the writes filled more than one segment"
+    newest = sorted(directory.glob("seg-*.log"))[-1]
+    size = newest.stat().st_size
+    with open(newest, "rb") as f:
+        valid_end = scan_segment(f, size, True, SEGMENT_MB << 20).valid_end
+    assert newest == last[0] or valid_end == 0, "only the newest segment holds records after the last one"
     torn = last[0].read_bytes()[last[1]:last[1] + last[2].length // 2]
     corrupted = {}
     for path, offset, header in (first, last):
@@ -239,9 +251,11 @@ def damage(directory: Path, ledger: Ledger) -> tuple[dict[tuple[int, int], str],
             f.seek(at)
             f.write(bytes([byte ^ 0x40]))
         corrupted[where[header.block_hash]] = path.name
-    with open(sorted(directory.glob("seg-*.log"))[-1], "ab") as f:
+    with open(newest, "r+b") as f:
+        f.truncate(valid_end)
+        f.seek(valid_end)
         f.write(torn)
-    return corrupted, len(torn)
+    return corrupted, len(torn), size - valid_end, newest == last[0]
 
 
 @pytest.mark.timeout(120)
@@ -253,7 +267,7 @@ async def test_corrupt_byte_and_torn_tail_between_kill_and_restart(nats_url, tmp
     try:
         await tier.start(nc)
         await write_then_kill(nc, tier, ledger, rng, 0)
-        corrupted, torn = damage(directory, ledger)
+        corrupted, torn, kill_torn, last_in_newest = damage(directory, ledger)
         opened = await tier.start(nc)
         served = await check_served(nc, ledger, "corrupt", missing_ok=set(corrupted))
         again = await check_served(nc, ledger, "again", missing_ok=set(corrupted))
@@ -270,9 +284,11 @@ async def test_corrupt_byte_and_torn_tail_between_kill_and_restart(nats_url, tmp
         tier.stop()
     print(f"\ntier corruption: corrupted {corrupted}; {len(ledger.acked)} of {len(ledger.issued)} puts acked; "
           f"checksum failures at open {opened['ssd_checksum_failures']}, after the gets "
-          f"{after['ssd_checksum_failures']}; torn bytes appended {torn}, cut {opened['ssd_truncated_bytes']}")
+          f"{after['ssd_checksum_failures']}; torn by the SIGKILL {kill_torn}, torn write left {torn}, "
+          f"cut {opened['ssd_truncated_bytes']}")
     assert not set(corrupted) & (served | again), "a corrupted block was served"
-    assert opened["ssd_truncated_bytes"] >= torn                    # plus whatever the SIGKILL tore
+    assert opened["ssd_truncated_bytes"] == torn, opened             # exactly the torn tail, nothing more
+    assert opened["ssd_checksum_failures"] == int(last_in_newest), opened   # newest segment: caught at open
     assert after["ssd_checksum_failures"] == 2, after                 # each corrupt record counted once
     assert len(late) == len(put_layout(put_id)[0])
     assert not tier.log_problems(), tier.log_problems()

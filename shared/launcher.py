@@ -178,18 +178,26 @@ class Cluster:
         return await asyncio.to_thread(proc.wait, timeout_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        for proc in self.procs.values():
+        """SIGTERM the router, workers and draft services, then (once they exited: their last write-backs
+        are in) the cache tiers; SIGKILL whatever outlives the grace period."""
+        deadline = time.monotonic() + grace_s
+        tiers = {n: p for n, p in self.procs.items() if n.startswith("cache-")}
+        self._stop_group({n: p for n, p in self.procs.items() if n not in tiers}, deadline)
+        self._stop_group(tiers, max(deadline, time.monotonic() + 10.0))
+        if self.server is not None:
+            self.server.stop()
+        if self.spec.temp_tier_dir:
+            shutil.rmtree(self.spec.cache_tier_dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop_group(procs: dict[str, subprocess.Popen], deadline: float) -> None:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for name, proc in self.procs.items():
+        for name, proc in procs.items():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("%s ignored SIGTERM; killing", name)
                 proc.kill()
                 proc.wait(5)
-        if self.server is not None:
-            self.server.stop()
-        if self.spec.temp_tier_dir:
-            shutil.rmtree(self.spec.cache_tier_dir, ignore_errors=True)

@@ -67,6 +67,7 @@ class TierClient:
         self._tasks: list[asyncio.Task] = []
         self._sub = None
         self._first_beat = asyncio.Event()
+        self._sending = False   # the writer holds a put whose staging the tier may still be fetching
 
     async def start(self, first_beat_wait_s: float = TIER_DEAD_AFTER_S) -> None:
         """Follow the tier's heartbeats; wait up to ``first_beat_wait_s`` for the first one, so a worker that
@@ -178,6 +179,7 @@ class TierClient:
     async def _writer(self) -> None:
         while True:
             job = await self._queue.get()
+            self._sending = True
             try:
                 msg = await self.nc.request(subjects.cache("put", self.tier_id), protocol.encode(job.put),
                                             timeout=max(self.timeout_s, 10.0))
@@ -190,12 +192,14 @@ class TierClient:
                 self.counters.write_failures += 1
                 logger.info("write-back to %s failed: %s", self.tier_id, err)
             finally:
+                self._sending = False
                 await job.transport.release(job.put.transfer_id)
 
     async def close(self, flush_s: float = 2.0) -> None:
-        """Send what is queued for up to ``flush_s``, then stop and free all staging."""
+        """Send what is queued (and let the put in flight finish) for up to ``flush_s``, then stop and free all
+        staging."""
         deadline = time.monotonic() + flush_s
-        while not self._queue.empty() and time.monotonic() < deadline:
+        while (self._sending or not self._queue.empty()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for task in self._tasks:
             task.cancel()

@@ -76,6 +76,18 @@ class UsageLine:
         return d
 
 
+def bounded_line(lines: dict, tenant: str, retention: str, make, max_keys: int = MAX_LEDGER_KEYS):
+    """The line of ``(tenant or DEFAULT_TENANT, retention or "none")`` in ``lines``, created with ``make()``; once
+    ``max_keys - 1`` keys exist, new keys share the ``(OTHER, OTHER)`` line (counted, never dropped)."""
+    key = (tenant or DEFAULT_TENANT, retention or "none")
+    line = lines.get(key)
+    if line is None:
+        if len(lines) >= max_keys - 1:
+            key = (OTHER, OTHER)
+        line = lines.setdefault(key, make())
+    return line
+
+
 class Ledger:
     """Per (tenant, class) ``UsageLine``s plus their total. ``record`` is O(1); ``as_dict`` is the wire form."""
 
@@ -87,12 +99,7 @@ class Ledger:
 
     def record(self, tenant: str, retention: str, prompt_tokens: int, cached_tokens: int,
                output_tokens: int = 0, tier_tokens: dict[str, int] | None = None) -> None:
-        key = (tenant or DEFAULT_TENANT, retention or "none")
-        line = self.lines.get(key)
-        if line is None:
-            if len(self.lines) >= self.max_keys - 1:
-                key = (OTHER, OTHER)
-            line = self.lines.setdefault(key, UsageLine())
+        line = bounded_line(self.lines, tenant, retention, UsageLine, self.max_keys)
         line.add(prompt_tokens, cached_tokens, output_tokens, tier_tokens)
         self.total.add(prompt_tokens, cached_tokens, output_tokens, tier_tokens)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.accounting import DEFAULT_TENANT, MAX_LEDGER_KEYS, OTHER
+from shared.accounting import MAX_LEDGER_KEYS, bounded_line
 
 
 @dataclass(slots=True)
@@ -32,13 +32,7 @@ class TierLedger:
         self.lines: dict[tuple[str, str], TierLine] = {}
 
     def line(self, tenant: str, retention: str) -> TierLine:
-        key = (tenant or DEFAULT_TENANT, retention)
-        found = self.lines.get(key)
-        if found is None:
-            if len(self.lines) >= self.max_keys - 1:
-                key = (OTHER, OTHER)
-            found = self.lines.setdefault(key, TierLine())
-        return found
+        return bounded_line(self.lines, tenant, retention, TierLine, self.max_keys)
 
     def record_put(self, tenant: str, retention: str, blocks: int, nbytes: int) -> None:
         line = self.line(tenant, retention)

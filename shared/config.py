@@ -22,6 +22,8 @@ class WorkerConfig:
 
     role: str = "decode"
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
+    nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
     model: str = ""  # GGUF file or HF folder; "" = default SmolLM2
     dtype: str = "auto"
@@ -33,6 +35,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     transports: str = "cuda_ipc,shm,nixl,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
+    metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     handoff_timeout_s: float = 30.0
     drain_grace_s: float = 20.0  # on SIGTERM: how long in-flight requests may finish before being handed back
     cache_tier: str = ""  # id of the cache tier service to pull from and write back to ("" = none)
@@ -65,6 +68,8 @@ class WorkerConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
+    nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
     model: str = ""  # for the tokenizer; must be the workers' model
     local_prefill_threshold: int = 64  # prompts up to this many tokens prefill on the decode worker
@@ -83,6 +88,10 @@ class RouterConfig:
     prompt_retention: str = "none"  # class of a raw prompt request that names none
     price_cached: float = 0.02  # per million cached prompt tokens (accounting, ``deepinfer status``)
     price_uncached: float = 1.0  # per million uncached prompt tokens
+    http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API (and /metrics) listens here
+    http_port: int = 8000  # 0 = any free port (logged), -1 = no HTTP
+    api_keys: str = dataclasses.field(default="", repr=False)  # "key=tenant,..." or @file: HTTP needs a key; its tenant salts the cache
+    user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
 
     def __post_init__(self) -> None:
         from shared.kv.store.retention import RetentionPolicy
@@ -93,7 +102,7 @@ class RouterConfig:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
                 or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
-                or self.ttft_slo_s < 0 or self.stall_probe_s <= 0):
+                or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535):
             raise ValueError("invalid router config")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
@@ -109,6 +118,8 @@ class CacheTierConfig:
     """The cache tier service (``services/cache_tier``): one block store (DRAM + SSD directory) per instance."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
+    nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
     directory: str = ""  # SSD tier directory ("" = ~/.cache/deepinfer/cache-tier/<worker_id>)
     dram_mb: int = 1024
@@ -118,6 +129,7 @@ class CacheTierConfig:
     retention: str = "chat=7d,agent=3d,none=0"  # class=ttl list; the deployment's retention classes
     transports: str = "shm,nixl,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
+    metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     gc_interval_s: float = 60.0  # GC (expiry + compaction) and KV-event removals this often
     stage_ttl_s: float = 30.0  # a get's staging is released after this even without a CacheRelease
     fetch_timeout_s: float = 10.0  # a put's KV fetch from the worker
@@ -143,6 +155,8 @@ class DraftConfig:
     """The draft service (``services/draft``): proposes tokens for decode workers of ``model``."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
+    nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
     model: str = ""  # the target model (GGUF file or HF folder; "" = default SmolLM2): its id names the subject
     drafter: str = "self:8"  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
@@ -150,6 +164,7 @@ class DraftConfig:
     dtype: str = "auto"
     threads: int = 0  # 0 = all CPUs this process may use
     heartbeat_s: float = 1.0
+    metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     drain_grace_s: float = 5.0
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shared import protocol, subjects
 from shared.bus import connect
-from shared.nats_server import EmbeddedNatsServer, start_embedded_server
+from shared.nats_server import EmbeddedNatsServer, free_port, start_embedded_server
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class ClusterSpec:
     cache_tier_ssd_mb: int = 16384
     draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
     drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path
+    http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
+    http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP
+    metrics: bool = True  # every worker, tier and draft service serves Prometheus /metrics on a free port
 
     temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
 
@@ -66,6 +69,19 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-logs-"))
         self.nats_url = spec.nats_url
+        self.http_port = free_port(spec.http_host) if spec.http_port == 0 else spec.http_port
+        self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the router's OpenAI-compatible API ("" when HTTP is off)."""
+        return f"http://{self.spec.http_host}:{self.http_port}" if self.http_port > 0 else ""
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.spec.metrics:
+            return []
+        self.metrics_ports[name] = self.metrics_ports.get(name) or free_port()
+        return ["--metrics-port", str(self.metrics_ports[name])]
 
     def _spawn(self, name: str, module: str, args: list[str], threads: int) -> None:
         env = {**os.environ, **self.spec.extra_env, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -85,6 +101,7 @@ class Cluster:
         self._spawn(name, f"services.{role}", ["--nats-url", self.nats_url, "--worker-id", name,
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
+                                               *self._metrics_args(name),
                                                *(["--model", s.model] if s.model else [])], threads)
         return name
 
@@ -93,6 +110,7 @@ class Cluster:
         s, name = self.spec, f"draft-{index}"
         self._spawn(name, "services.draft", ["--nats-url", self.nats_url, "--worker-id", name, "--drafter",
                                              s.drafter, "--threads", "1", "--dtype", s.dtype,
+                                             *self._metrics_args(name),
                                              *(["--model", s.model] if s.model else [])], 1)
         return name
 
@@ -102,7 +120,8 @@ class Cluster:
         self._spawn(name, "services.cache_tier", ["--nats-url", self.nats_url, "--worker-id", name,
                                                   "--directory", s.tier_dir(index),
                                                   "--dram-mb", str(s.cache_tier_dram_mb),
-                                                  "--ssd-mb", str(s.cache_tier_ssd_mb)], 1)
+                                                  "--ssd-mb", str(s.cache_tier_ssd_mb),
+                                                  *self._metrics_args(name)], 1)
         return name
 
     async def start(self) -> None:
@@ -137,7 +156,8 @@ class Cluster:
         s = self.spec
         return ["--nats-url", self.nats_url, "--worker-id", "router",
                 "--local-prefill-threshold", str(s.local_prefill_threshold), "--policy", s.policy,
-                "--ttft-slo-s", str(s.ttft_slo_s), *(["--model", s.model] if s.model else [])]
+                "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
+                *(["--model", s.model] if s.model else [])]
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
         nc = await connect(self.nats_url, "launcher")

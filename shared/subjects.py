@@ -4,6 +4,9 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
 
 - ``di.v1.generate``                 client API: GenerateRequest -> streamed TokenChunk replies (request/reply)
 - ``di.v1.cancel``                   CancelRequest, broadcast: whoever owns the request stops it
+- ``di.v1.generate.<tenant>``        the client API of an authenticated tenant (NATS user ``client-<tenant>``
+                                     may publish only here): the router derives the cache salt from the tenant
+- ``di.v1.cancel.<tenant>``          a tenant's cancels (the router stops only that tenant's requests)
 - ``di.v1.kv.events``                KVEvent: blocks stored/removed/cleared by a worker or the cache tier
 - ``di.v1.load.<worker>``            LoadReport heartbeats; ``di.v1.load.*`` (LOAD_ALL) subscribes to all
 - ``di.v1.prefill.<worker>``         PrefillRequest to one prefill worker
@@ -30,6 +33,8 @@ PREFIX = "di.v1"
 GENERATE = f"{PREFIX}.generate"
 CANCEL = f"{PREFIX}.cancel"
 KV_EVENTS = f"{PREFIX}.kv.events"
+GENERATE_TENANTS = f"{PREFIX}.generate.*"
+CANCEL_TENANTS = f"{PREFIX}.cancel.*"
 LOAD_ALL = f"{PREFIX}.load.*"
 REGISTRY_BUCKET = "di_v1_workers"
 
@@ -66,6 +71,24 @@ def safe_token(name: str) -> str:
                       for ch in name)[:MAX_TOKEN_LEN - 9]
     digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
     return f"{cleaned}-{digest}"
+
+
+def generate_as(tenant: str) -> str:
+    """Client API subject of one authenticated tenant (``GENERATE_TENANTS`` matches all of them)."""
+    return f"{GENERATE}.{validate_token(tenant, 'tenant')}"
+
+
+def cancel_as(tenant: str) -> str:
+    """Where one tenant's clients cancel their requests (``CANCEL_TENANTS`` matches all of them)."""
+    return f"{CANCEL}.{validate_token(tenant, 'tenant')}"
+
+
+def tenant_of(subject: str) -> str | None:
+    """The tenant of a ``generate_as`` / ``cancel_as`` subject; None for the plain ``GENERATE`` / ``CANCEL``."""
+    for base in (GENERATE, CANCEL):
+        if subject.startswith(base + "."):
+            return validate_token(subject[len(base) + 1:], "tenant")
+    return None
 
 
 def prefill(worker_id: str) -> str:

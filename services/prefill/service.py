@@ -53,7 +53,7 @@ class PrefillService(Worker):
         pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
         imported: list[int] = []
         submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
-            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), imported)
+            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True, continues=params.max_tokens > 1), imported)
         outs = [o async for o in self.aengine.run(rid, submit, 2)]
         final = outs[-1]
         computed_from[0] = final.num_cached_tokens // eng.config.block_size

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
@@ -44,9 +45,10 @@ class AttemptFailed(DeepinferError):
 
 @dataclasses.dataclass(slots=True)
 class Stream:
-    """One client stream across failover attempts: what the client has received so far."""
+    """One client stream across failover attempts: what the client has received so far. ``send`` delivers a
+    chunk to the client (a NATS publish to its reply subject, or the HTTP API's bounded queue)."""
     rid: str
-    client: str
+    send: Callable[[protocol.TokenChunk], Awaitable[None]]
     prompt_len: int
     deadline: float
     t0: float = dataclasses.field(default_factory=time.monotonic)
@@ -206,7 +208,7 @@ class Relay:
     async def forward(self, stream: Stream, chunk: protocol.TokenChunk) -> None:
         """Publish ``chunk`` to the client under the stream's id and next seq; remember delivered tokens."""
         out = dataclasses.replace(chunk, request_id=stream.rid, seq=stream.next_seq)
-        await self.nc.publish(stream.client, protocol.encode(out))
+        await stream.send(out)
         stream.next_seq += 1
         stream.delivered.extend(chunk.token_ids)
         stream.ended = chunk.final

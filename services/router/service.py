@@ -28,6 +28,8 @@ from shared.accounting import Ledger, Prices
 from shared.config import RouterConfig
 from shared.kv.store.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.wire_fields import MAX_ID_LEN
+from services.router.http_api import HttpApi
 from services.router.placement import Placer
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
@@ -55,6 +57,8 @@ class RouterService(Service):
         self.runtime: ServiceRuntime | None = None
         self.relay: Relay | None = None
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
+        self.owners: dict[str, str | None] = {}  # client request id -> its tenant (None: plain API)
+        self.http: HttpApi | None = None
         self._draining = False
         self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
         self.ledger = Ledger(Prices(cached_per_mtok=config.price_cached, uncached_per_mtok=config.price_uncached))
@@ -71,11 +75,16 @@ class RouterService(Service):
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
+        await self.runtime.serve(subjects.GENERATE_TENANTS, self.on_generate, queue="routers")
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
+        await self.runtime.serve(subjects.CANCEL_TENANTS, self.on_cancel, work=False)
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
         self.runtime.spawn(self._sweep_loop())
+        if c.http_port >= 0:
+            self.http = HttpApi(self)
+            await self.http.start(c.http_host, c.http_port)
 
     # ---- cluster state -------------------------------------------------------------------------------
     async def on_load(self, msg) -> None:
@@ -135,24 +144,38 @@ class RouterService(Service):
 
     # ---- requests ------------------------------------------------------------------------------------
     async def on_cancel(self, msg) -> None:
-        task = self.relays.get(protocol.decode(msg.data, protocol.CancelRequest).request_id)
-        if task is not None:
+        """A cancel stops a request of the same namespace only: a tenant's subject cancels that tenant's
+        requests, the plain subject those that came without a tenant."""
+        rid = protocol.decode(msg.data, protocol.CancelRequest).request_id
+        task = self.relays.get(rid)
+        if task is not None and self.owners.get(rid) == subjects.tenant_of(msg.subject):
             task.cancel()
 
     async def on_generate(self, msg) -> None:
         if not msg.reply:
             raise invalid("generate needs a reply subject (use a NATS request or an inbox)")
         req = protocol.decode(msg.data, protocol.GenerateRequest)  # errors → ErrorReply via the runtime
+        reply = msg.reply
+
+        async def send(chunk: protocol.TokenChunk) -> None:
+            await self.nc.publish(reply, protocol.encode(chunk))
+        await self.serve(req, send, tenant=subjects.tenant_of(msg.subject), api="nats")
+
+    async def serve(self, req: protocol.GenerateRequest, send, tenant: str | None = None, api: str = "nats") -> None:
+        """Serve one client request (NATS or HTTP): every chunk goes to ``send``, the last one is final (usage or
+        an error). ``tenant`` is the authenticated tenant (its subject or API key), None for the plain API.
+        Raises only ``invalid_request`` for a duplicate request id (before anything is sent)."""
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.relays:
             raise invalid(f"request id {rid!r} is already in flight")
         self.relays[rid] = asyncio.current_task()
-        stream = Stream(rid, msg.reply, 0, time.monotonic() + req.timeout_s)
+        self.owners[rid] = tenant
+        stream = Stream(rid, send, 0, time.monotonic() + req.timeout_s)
         try:
             if len(self.relays) > self.config.max_inflight:
                 raise DeepinferError(ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")
             self._check_model(req.model)
-            req = dataclasses.replace(req, retention=self._retention(req))
+            req = dataclasses.replace(req, retention=self._retention(req), cache_salt=tenant_salt(req, tenant))
             prompt = await self._tokenize(req)
             stream.prompt_len = len(prompt)
             await self.relay.serve(req, prompt, stream)
@@ -161,10 +184,10 @@ class RouterService(Service):
             err = exc if isinstance(exc, DeepinferError) else (
                 DeepinferError(ErrorCode.UNAVAILABLE, "router shutting down; retry") if self._draining
                 else DeepinferError(ErrorCode.CANCELLED, "cancelled"))
-            chunk = protocol.TokenChunk.from_error(rid, stream.next_seq, err)
-            await self.nc.publish(msg.reply, protocol.encode(chunk))
+            await send(protocol.TokenChunk.from_error(rid, stream.next_seq, err))
         finally:
             self.relays.pop(rid, None)
+            self.owners.pop(rid, None)
 
     def _retention(self, req: protocol.GenerateRequest) -> str:
         """The request's retention class: its own, else the deployment's default for its API."""
@@ -204,13 +227,57 @@ class RouterService(Service):
             raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here "
                                  f"(serving: {sorted(served) or 'nothing yet'})")
 
+    # ---- what the HTTP API shows --------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self.runtime is not None and self.runtime.draining
+
+    def ready_workers(self) -> dict[str, list[str]]:
+        """Alive, non-draining workers by role (``/health``)."""
+        ready: dict[str, list[str]] = {}
+        for wid, state in self.table.workers.items():
+            if self.table.is_alive(wid) and not state.report.draining:
+                ready.setdefault(state.report.role, []).append(wid)
+        return ready
+
+    def served_models(self) -> list[str]:
+        return sorted({s.report.model_id for wid, s in self.table.workers.items()
+                       if s.report.model_id and self.table.is_alive(wid)})
+
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def _drain_and_close(self) -> None:
+        """Withdraw (NATS queue group left, HTTP answers 503), let NATS and HTTP streams finish within the
+        grace period, end the rest, then close HTTP and NATS."""
         await self.runtime.withdraw()
-        await self.runtime.finish_inflight(self.config.drain_grace_s, self._end_streams)
+        t0, serving = time.monotonic(), set(self.relays.values())
+        if serving:
+            await asyncio.wait(serving, timeout=self.config.drain_grace_s)
+        grace_left = max(0.0, self.config.drain_grace_s - (time.monotonic() - t0))
+        if self.relays:
+            await self._end_streams()
+        await self.runtime.finish_inflight(grace_left, self._end_streams)
+        if self.http is not None:
+            await self.http.stop()
         await self.runtime.close()
 
     async def _end_streams(self) -> None:
         self._draining = True
         for task in list(self.relays.values()):
             task.cancel()
+
+
+TENANT_SALT_PREFIX = "t/"
+
+
+def tenant_salt(req: protocol.GenerateRequest, tenant: str | None) -> str:
+    """The cache salt a request runs under. An authenticated tenant's requests are salted ``t/<tenant>`` (plus
+    ``/<their own salt>``), so nobody else can hit that tenant's cache; the ``t/`` prefix is reserved, so a
+    client cannot claim another tenant's salt through the plain API."""
+    if req.cache_salt.startswith(TENANT_SALT_PREFIX):
+        raise invalid(f"cache_salt: the prefix {TENANT_SALT_PREFIX!r} is reserved for authenticated tenants")
+    if tenant is None:
+        return req.cache_salt
+    salt = TENANT_SALT_PREFIX + tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
+    if len(salt) > MAX_ID_LEN:
+        raise invalid(f"cache_salt: longer than {MAX_ID_LEN - len(tenant) - 3} characters for this tenant")
+    return salt

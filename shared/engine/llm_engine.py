@@ -80,8 +80,10 @@ class LLMEngine:
                                  f"the KV cache capacity of {capacity} tokens")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str = "", hold_kv: bool = False) -> str:
-        """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``release_held``)."""
+                    cache_salt: str = "", hold_kv: bool = False, continues: bool = False) -> str:
+        """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``release_held``).
+        ``continues``: its length stop is not the stream's end (a prefill worker's first token; the decode
+        worker goes on), so text held back for an incomplete UTF-8 character is not flushed as U+FFFD."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
@@ -90,7 +92,7 @@ class LLMEngine:
                       model_id=self.model.config.model_id, cache_salt=cache_salt)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder()
-        req.hold_kv = hold_kv
+        req.hold_kv, req.flush_text = hold_kv, not continues
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -195,7 +197,7 @@ class LLMEngine:
                 # as plain decoding would have: blocks whose tokens all have KV, the newest token excluded
                 self.block_manager.publish_computed(req, min(req.num_computed_tokens, req.num_tokens - 1))
             if reason is not None:
-                if req.detokenizer is not None and reason == "length":
+                if req.detokenizer is not None and reason == "length" and req.flush_text:
                     text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
                 return self._finish(req, reason, tokens[:i + 1], text)
         return RequestOutput(req.request_id, list(tokens), text, False)

@@ -52,7 +52,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_id", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "spec_token_ids",
-                 "spec_features")
+                 "spec_features", "flush_text")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_id: str, cache_salt: str = "") -> None:
@@ -62,6 +62,7 @@ class Request:
         self.cache_salt, self.model_id, self.block_size = cache_salt, model_id, block_size
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.flush_text = True  # at a length stop, emit held-back bytes (False: the stream goes on elsewhere)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.block_hashes: list[int] = []

@@ -44,7 +44,7 @@ class InProcessCluster:
             worker_kw.setdefault("cache_tier", TIER_ID)
         self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
                                                  local_prefill_threshold=local_prefill_threshold, policy=policy,
-                                                 **(router_kw or {})))
+                                                 **{"http_port": -1, **(router_kw or {})}))
         self.workers = [PrefillService(worker_config("prefill", url, folder, f"prefill-{i}", **worker_kw))
                         for i in range(prefill)]
         self.workers += [DecodeService(worker_config("decode", url, folder, f"decode-{i}", **worker_kw))

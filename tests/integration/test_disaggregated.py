@@ -230,3 +230,16 @@ async def test_slow_engine_steps_do_not_fail_dispatch(nats_server, folder, monke
             assert len((await first)[0]) == 4 and len(second[0]) == 2
         finally:
             await nc.close()
+
+
+async def test_text_is_the_same_whether_prefill_is_remote_or_local(nats_server, folder):
+    """A first token that is half a UTF-8 character: the prefill worker must not flush it as U+FFFD (the decode
+    worker completes it), so both paths stream exactly the text of decoding all tokens at once."""
+    async with InProcessCluster(nats_server.url, folder) as cluster:
+        outs = {}
+        for mode in ("remote", "local"):
+            outs[mode] = await generate_once(nats_server.url, protocol.GenerateRequest(
+                prompt_token_ids=[5, 9, 200, 31], max_tokens=24, temperature=0.0, ignore_eos=True, prefill_mode=mode))
+        tokenizer = cluster.router.tokenizer
+    (ids, text, _), (local_ids, local_text, _) = outs["remote"], outs["local"]
+    assert ids == local_ids and text == local_text == tokenizer.decode(ids)

@@ -1,0 +1,208 @@
+"""The router's OpenAI-compatible HTTP API (aiohttp): ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` = server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``.
+
+Every request runs through the same ``RouterService.serve`` as the NATS API (admission, placement, failover,
+accounting). Invariants:
+- Status codes come from the error's code (``shared.errors.HTTP_STATUS``): 400 bad input, 401 missing/unknown
+  API key, 404 unknown model, 429 overloaded (with ``Retry-After``), 503 no workers / draining, 504 timeout.
+  A stream's status is decided by its first chunk: an error before any token is a plain JSON error with its
+  status; an error after tokens were sent is an SSE ``{"error": ...}`` event, then ``[DONE]``.
+- A client that disconnects cancels its request on the workers (the handler is cancelled, and with it the
+  relay, which publishes the cancel).
+- Buffers are bounded: a body over ``MAX_BODY_BYTES`` is 413; chunks wait in a queue of ``QUEUE_CHUNKS``
+  (a slow reader slows the relay, it does not grow memory).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.router import openai_api
+from services.router.api_keys import ApiKeys
+from shared import protocol
+from shared.errors import DeepinferError, ErrorCode
+
+if TYPE_CHECKING:
+    from services.router.service import RouterService
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+QUEUE_CHUNKS = 64
+RETRY_AFTER_S = "1"
+
+
+def _error(err: DeepinferError, status: int | None = None) -> web.Response:
+    status, body = openai_api.error_body(err, status)
+    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+class ChunkSink:
+    """The relay's ``send`` for one HTTP request: a bounded queue the handler reads. Once the handler is gone
+    (``close``), sends are dropped, so a cancelled relay never blocks on a full queue."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[protocol.TokenChunk] = asyncio.Queue(QUEUE_CHUNKS)
+        self.closed = False
+
+    async def send(self, chunk: protocol.TokenChunk) -> None:
+        if not self.closed:
+            await self.queue.put(chunk)
+
+    def close(self) -> None:
+        self.closed = True
+        while not self.queue.empty():  # wake a sender blocked on the full queue
+            self.queue.get_nowait()
+
+
+class HttpApi:
+    def __init__(self, router: "RouterService") -> None:
+        self.router = router
+        self.keys = ApiKeys(router.config.api_keys)
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0 = a free port); returns the bound port."""
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        logger.info("OpenAI-compatible API on http://%s:%d/v1", host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ---- endpoints -----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self.router.ready_workers()
+        ok = bool(ready.get("decode")) and not self.router.draining
+        body = {"status": "ok" if ok else "unavailable", "draining": self.router.draining,
+                "workers": {role: len(ids) for role, ids in ready.items()}}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if (err := self._auth(request)[1]) is not None:
+            return err
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "deepinfer"}
+                for m in self.router.served_models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.router.render_metrics()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        tenant, err = self._auth(request)
+        if err is not None:
+            return err
+        if self.router.draining:
+            return _error(DeepinferError(ErrorCode.UNAVAILABLE, "the router is draining; retry"))
+        try:
+            body = await request.json(loads=json.loads)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes"))
+        except (ValueError, UnicodeDecodeError):
+            return _error(DeepinferError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON"))
+        try:
+            call = openai_api.parse_call(body, chat, self.router.config.user_cache_salt)
+        except DeepinferError as exc:
+            return _error(exc)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        sink = ChunkSink()
+        req = dataclasses.replace(call.request, request_id=rid)
+        task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
+        try:
+            if call.stream:
+                return await self._stream(request, call, rid, sink, task)
+            return await self._collect(call, rid, sink, task)
+        finally:
+            sink.close()
+            if not task.done():  # client gone (handler cancelled) or a write failed: stop the request
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _auth(self, request: web.Request) -> tuple[str | None, web.Response | None]:
+        if not self.keys.required:
+            return None, None
+        tenant = self.keys.tenant_of(request.headers.get("Authorization"))
+        if tenant is None:
+            return None, _error(DeepinferError(ErrorCode.INVALID_REQUEST, "missing or unknown API key "
+                                               "(Authorization: Bearer <key>)"), status=401)
+        return tenant, None
+
+    async def _next(self, sink: ChunkSink, task: asyncio.Task) -> protocol.TokenChunk:
+        """The next chunk; the serve task always ends with a final chunk unless it crashed."""
+        getter = asyncio.ensure_future(sink.queue.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        if not sink.queue.empty():
+            return sink.queue.get_nowait()
+        task.result()  # re-raise what ended it
+        raise DeepinferError(ErrorCode.INTERNAL, "the request ended without a final chunk")
+
+    async def _collect(self, call, rid, sink, task) -> web.Response:
+        text, chunk = [], None
+        while chunk is None or not chunk.final:
+            chunk = await self._next(sink, task)
+            text.append(chunk.text)
+        if (err := openai_api.chunk_error(chunk)) is not None:
+            return _error(err)
+        return web.json_response(openai_api.full_response(call, rid, "".join(text), chunk.finish_reason,
+                                                          chunk.usage))
+
+    async def _stream(self, request, call, rid, sink, task) -> web.StreamResponse:
+        chunk = await self._next(sink, task)
+        if chunk.final and (err := openai_api.chunk_error(chunk)) is not None:
+            return _error(err)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": rid})
+        await response.prepare(request)
+        created, first = int(time.time()), True
+        while True:
+            err = openai_api.chunk_error(chunk) if chunk.final else None
+            if err is not None:
+                await _sse(response, openai_api.error_body(err)[1])
+            else:
+                for event in openai_api.stream_events(call, rid, created, chunk, first):
+                    await _sse(response, event)
+            first = False
+            if chunk.final:
+                break
+            chunk = await self._next(sink, task)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _sse(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")

@@ -1,0 +1,186 @@
+"""OpenAI wire format <-> deepinfer messages: request bodies to ``GenerateRequest``, token chunks to
+completion / chat-completion objects and SSE chunks, errors to OpenAI's error shape.
+
+Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
+- A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
+  cannot honour (``n`` > 1, ``logprobs``, penalties, tools, non-text content) are rejected, never ignored.
+  Unknown fields are ignored, as OpenAI-compatible servers do (clients send vendor fields).
+- deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
+  ``speculative``, ``prefill_mode``, ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+  ``cache_salt``, ``timeout_s``.
+- ``completion_tokens`` of the usage block is the number of tokens the client received.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shared import protocol
+from shared.errors import HTTP_STATUS, DeepinferError, ErrorCode, invalid
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
+_EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": int, "min_tokens": int,
+           "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": (int, float)}
+_UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+_UNSUPPORTED_SET = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix", "echo",
+                    "best_of", "response_format")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
+               503: "service_unavailable", 504: "timeout", 500: "server_error"}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCall:
+    """A translated HTTP call: what to generate and how to answer."""
+    request: protocol.GenerateRequest
+    chat: bool
+    stream: bool
+    include_usage: bool
+    model: str  # echoed in responses
+    user: str
+
+
+def _get(body: dict, name: str, kinds, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kinds in (int, float, (int, float)):
+        raise invalid(f"parameter '{name}' must be a number, got a boolean")
+    if not isinstance(value, kinds):
+        want = kinds.__name__ if isinstance(kinds, type) else "number"
+        raise invalid(f"parameter '{name}' must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return list(stop)
+    raise invalid("parameter 'stop' must be a string or a list of at most 16 strings")
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("parameter 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"parameter 'messages[{i}]' must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(f"parameter 'messages[{i}].content': only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise invalid(f"parameter 'messages[{i}].content' must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict) -> dict:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    raise invalid("parameter 'prompt' must be a string, a list of token ids, or a batch of exactly one of those "
+                  "(batches of several prompts are not supported: send one request each)")
+
+
+def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
+    """Translate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name in _UNSUPPORTED_SET:
+        if body.get(name) not in (None, False):
+            raise invalid(f"parameter '{name}' is not supported")
+    for name in _UNSUPPORTED_NONZERO:
+        if _get(body, name, (int, float), 0) != 0:
+            raise invalid(f"parameter '{name}' is not supported (must be 0)")
+    if _get(body, "n", int, 1) != 1:
+        raise invalid("parameter 'n' must be 1 (send several requests for several completions)")
+    model = _get(body, "model", str, "")
+    default_max = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", int, default_max)
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    user = _get(body, "user", str, "")
+    fields: dict[str, Any] = {"messages": _chat_messages(body)} if chat else _prompt(body)
+    for name, kinds in _EXTRAS.items():
+        value = _get(body, name, kinds, None)
+        if value is not None:
+            fields[name] = value
+    if user_cache_salt and user and "cache_salt" not in fields:
+        fields["cache_salt"] = user
+    request = protocol.GenerateRequest(
+        model=model, max_tokens=max_tokens, temperature=float(_get(body, "temperature", (int, float), 1.0)),
+        top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
+        stop=_stop(body), **fields)
+    return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user)
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+
+def usage_block(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0) or 0)}}
+
+
+def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if call.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": call.model}
+
+
+def full_response(call: ApiCall, rid: str, text: str, finish_reason: str | None, usage: dict | None) -> dict:
+    """The non-streaming answer."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+               "finish_reason": finish_reason} if call.chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+    return {**_head(call, rid, int(time.time()), False), "choices": [choice], "usage": usage_block(usage)}
+
+
+def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool) -> list[dict]:
+    """SSE payloads for one token chunk (the caller appends ``[DONE]`` after the final one)."""
+    finish = chunk.finish_reason if chunk.final else None
+    if call.chat:
+        delta: dict = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}
+    events = [{**_head(call, rid, created, True), "choices": [choice]}]
+    if chunk.final and call.include_usage:
+        events.append({**_head(call, rid, created, True), "choices": [], "usage": usage_block(chunk.usage)})
+    return events
+
+
+def error_body(err: DeepinferError, status: int | None = None) -> tuple[int, dict]:
+    """``(status, body)`` in OpenAI's error shape; ``code`` is deepinfer's stable error code."""
+    status = status or HTTP_STATUS.get(err.code, 500)
+    return status, {"error": {"message": err.message, "type": ERROR_TYPES.get(status, "server_error"),
+                              "param": None, "code": err.code.value}}
+
+
+def chunk_error(chunk: protocol.TokenChunk) -> DeepinferError | None:
+    """The error a final chunk carries, as an exception (None when it succeeded)."""
+    if chunk.error is None:
+        return None
+    try:
+        code = ErrorCode(chunk.error.get("code"))
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return DeepinferError(code, str(chunk.error.get("message", "")))

@@ -1,0 +1,119 @@
+"""OpenAI body -> GenerateRequest, chunks -> OpenAI objects, error shapes, API keys and tenant salts."""
+import pytest
+
+from services.router.api_keys import ApiKeys, parse_api_keys
+from services.router.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, chunk_error, error_body, full_response,
+                                        parse_call, stream_events)
+from services.router.service import tenant_salt
+from shared import protocol
+from shared.errors import DeepinferError, ErrorCode
+
+
+def test_completion_body_maps_every_parameter():
+    call = parse_call({"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
+                       "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
+                       "retention": "agent", "speculative": False, "prefill_mode": "local", "top_k": 4,
+                       "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [5], "unknown_vendor_field": 1},
+                      chat=False)
+    r = call.request
+    assert (r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop) == ("hi", 7, 0.0, 0.5, 3, ["END"])
+    assert (r.retention, r.speculative, r.prefill_mode, r.top_k, r.ignore_eos, r.min_tokens) == (
+        "agent", False, "local", 4, True, 2)
+    assert r.stop_token_ids == [5] and r.cache_salt == ""
+    assert call.stream and call.include_usage and call.user == "u1" and call.model == "m" and not call.chat
+    assert parse_call({"prompt": [1, 2, 3]}, chat=False).request.prompt_token_ids == [1, 2, 3]
+    assert parse_call({"prompt": ["one"]}, chat=False).request.prompt == "one"
+    assert parse_call({"prompt": "x"}, chat=False).request.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def test_chat_body_text_parts_and_max_completion_tokens():
+    call = parse_call({"messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]}],
+                       "max_completion_tokens": 9, "max_tokens": 3}, chat=True)
+    assert call.request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert call.request.max_tokens == 9
+
+
+def test_user_salts_the_cache_only_when_configured():
+    body = {"prompt": "x", "user": "alice"}
+    assert parse_call(body, chat=False).request.cache_salt == ""
+    assert parse_call(body, chat=False, user_cache_salt=True).request.cache_salt == "alice"
+    assert parse_call({**body, "cache_salt": "own"}, False, True).request.cache_salt == "own"
+
+
+@pytest.mark.parametrize("body", [
+    [], {"prompt": "x", "n": 3}, {"prompt": "x", "logprobs": True}, {"prompt": "x", "presence_penalty": 0.5},
+    {"prompt": "x", "temperature": True}, {"prompt": "x", "max_tokens": "5"}, {"prompt": ["a", "b"]},
+    {"prompt": []}, {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "top_p": 0.0},
+    {"prompt": "x", "retention": 7}, {"prompt": "x", "prefill_mode": "sideways"}, {"prompt": "x", "seed": 1.5},
+])
+def test_bad_completion_bodies_are_invalid_requests(body):
+    with pytest.raises(DeepinferError) as err:
+        parse_call(body, chat=False)
+    assert err.value.code == ErrorCode.INVALID_REQUEST and err.value.http_status == 400
+
+
+@pytest.mark.parametrize("messages", [None, [], ["hi"], [{"content": "x"}], [{"role": "user", "content": 3}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]])
+def test_bad_chat_messages_are_invalid_requests(messages):
+    with pytest.raises(DeepinferError):
+        parse_call({"messages": messages}, chat=True)
+
+
+def test_responses_and_stream_events_have_openai_shapes():
+    chat = parse_call({"messages": [{"role": "user", "content": "q"}], "model": "m",
+                       "stream_options": {"include_usage": True}}, chat=True)
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 4}
+    full = full_response(chat, "id1", "hi", "stop", usage)
+    assert full["object"] == "chat.completion" and full["choices"][0]["message"] == {"role": "assistant",
+                                                                                     "content": "hi"}
+    assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    first = protocol.TokenChunk(request_id="r", seq=0, token_ids=[1], text="h")
+    last = protocol.TokenChunk(request_id="r", seq=1, token_ids=[2], text="i", final=True, finish_reason="stop",
+                               usage=usage)
+    [e0] = stream_events(chat, "id1", 1, first, first=True)
+    assert e0["object"] == "chat.completion.chunk" and e0["choices"][0]["delta"] == {"role": "assistant",
+                                                                                     "content": "h"}
+    e1, e_usage = stream_events(chat, "id1", 1, last, first=False)
+    assert e1["choices"][0]["finish_reason"] == "stop" and e_usage["choices"] == [] and e_usage["usage"]["total_tokens"] == 7
+    plain = parse_call({"prompt": "q"}, chat=False)
+    [t] = stream_events(plain, "id2", 1, last, first=False)
+    assert t["object"] == "text_completion" and t["choices"][0]["text"] == "i"
+
+
+def test_errors_map_to_status_and_openai_shape():
+    status, body = error_body(DeepinferError(ErrorCode.OVERLOADED, "busy"))
+    assert status == 429 and body["error"] == {"message": "busy", "type": "rate_limit_error", "param": None,
+                                               "code": "overloaded"}
+    assert error_body(DeepinferError(ErrorCode.UNAVAILABLE, "x"))[0] == 503
+    assert error_body(DeepinferError(ErrorCode.TIMEOUT, "x"))[0] == 504
+    assert error_body(DeepinferError(ErrorCode.MODEL_NOT_FOUND, "x"))[0] == 404
+    chunk = protocol.TokenChunk.from_error("r", 0, DeepinferError(ErrorCode.TIMEOUT, "late"))
+    assert chunk_error(chunk).code == ErrorCode.TIMEOUT
+    assert chunk_error(protocol.TokenChunk(request_id="r", seq=0, token_ids=[], final=True)) is None
+
+
+def test_api_keys_spec_file_and_lookup(tmp_path):
+    assert parse_api_keys("") == {}
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# tenants\nsecret-key-1 = acme\n\nsecret-key-2=beta\n")
+    assert parse_api_keys(f"@{keys_file}") == {"secret-key-1": "acme", "secret-key-2": "beta"}
+    for bad in ("short=acme", "secret-key-1", "secret-key-1=a.b", "secret-key-1=x,secret-key-1=y"):
+        with pytest.raises(ValueError):
+            parse_api_keys(bad)
+    keys = ApiKeys("secret-key-1=acme,secret-key-2=beta")
+    assert keys.required and keys.tenant_of("Bearer secret-key-2") == "beta"
+    assert keys.tenant_of("bearer secret-key-1") == "acme"
+    assert keys.tenant_of("Bearer secret-key-3") is None and keys.tenant_of(None) is None
+    assert keys.tenant_of("Basic secret-key-1") is None and not ApiKeys("").required
+
+
+def test_tenant_salt_namespace():
+    req = protocol.GenerateRequest(prompt="x")
+    assert tenant_salt(req, None) == "" and tenant_salt(req, "acme") == "t/acme"
+    own = protocol.GenerateRequest(prompt="x", cache_salt="proj")
+    assert tenant_salt(own, None) == "proj" and tenant_salt(own, "acme") == "t/acme/proj"
+    with pytest.raises(DeepinferError, match="reserved"):
+        tenant_salt(protocol.GenerateRequest(prompt="x", cache_salt="t/acme"), None)

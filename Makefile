@@ -33,6 +33,7 @@ bench: venv
 	$(PY) -m benchmarks.tier_ttft
 	$(PY) -m benchmarks.tier_replay
 	$(PY) -m benchmarks.spec_decode
+	$(PY) -m benchmarks.http_vs_nats
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,3 +32,31 @@ async def test_readme_nats_example_streams_an_answer(nats_server, tmp_path):
         out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 0, err.decode()
     assert "usage:" in out.decode() and "'completion_tokens': 8" in out.decode(), out.decode()
+
+
+def readme_http_examples() -> tuple[str, str]:
+    block = re.search(r"<!-- http-example.*?-->\s*```bash\n(.*?)```\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert block, "README lost its HTTP examples"
+    return block.group(1), block.group(2)
+
+
+async def test_readme_http_examples_answer(nats_server, tmp_path):
+    import asyncio
+    import json
+
+    curl, python = readme_http_examples()
+    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=3)
+    script = tmp_path / "openai_example.py"
+    script.write_text(python)
+    async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0}) as cluster:
+        env = {**os.environ, "DEEPINFER_HTTP": f"http://127.0.0.1:{cluster.router.http.port}"}
+        shell = await asyncio.create_subprocess_exec("bash", "-c", curl, env=env, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.PIPE)
+        curl_out, curl_err = await asyncio.wait_for(shell.communicate(), timeout=60)
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), env=env, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    answer = json.loads(curl_out)
+    assert shell.returncode == 0 and answer["object"] == "chat.completion", (curl_out, curl_err)
+    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["message"]["role"] == "assistant"
+    assert proc.returncode == 0 and out.decode().endswith("\n"), err.decode()

@@ -28,12 +28,17 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports, make_transport
 from shared.kv.events import KVEventPublisher
 from shared.kv.tier_client import Pulled, TierClient
+from shared.metrics.common import OUTCOME_CANCELLED
+from shared.metrics.server import MetricsServer
+from shared.metrics.worker import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 
 class Worker(Service):
-    """Base of a worker service. Subclasses register their handlers in ``serve_handlers``."""
+    """Base of a worker service. Subclasses register their handlers in ``serve_handlers``, and bracket every
+    request they accept with ``track`` / ``untrack(outcome)`` (its metrics: ``self.metrics``, served on
+    ``metrics_port`` from start to the end of the drain)."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -44,6 +49,10 @@ class Worker(Service):
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
         self.tier: TierClient | None = None
         self.spec_log = None
+        self.metrics = WorkerMetrics(config.worker_id, config.role)  # one registry per worker (shared/metrics)
+        self.metrics.watch(self)
+        self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
+        self._handing_back = False
 
     @property
     def engine(self) -> LLMEngine:
@@ -84,6 +93,8 @@ class Worker(Service):
         self.kv_events.start()
         self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq,
                                               "tier_block_s": self.tier.counters.block_pull_s if self.tier else 0.0})
+        if c.metrics_port:
+            await self.metrics_server.start(c.metrics_port)
         logger.info("%s ready (transports %s)", c.worker_id, offered)
 
     async def serve_handlers(self) -> None:
@@ -177,9 +188,17 @@ class Worker(Service):
 
     def track(self, request_id: str, reply_to: str) -> None:
         self.active[request_id] = (asyncio.current_task(), reply_to)
+        self.metrics.request_started(request_id)
 
-    def untrack(self, request_id: str) -> None:
+    def untrack(self, request_id: str, outcome: str) -> None:
+        """The request left this worker; ``outcome`` (``finished``, ``handed_off``, ``cancelled`` or an error
+        code) is counted once in ``deepinfer_worker_requests_total``."""
         self.active.pop(request_id, None)
+        self.metrics.request_ended(request_id, outcome)
+
+    def cancelled_outcome(self) -> str:
+        """The outcome of a request whose task was cancelled: handed back while draining, else cancelled."""
+        return ErrorCode.WORKER_LOST.value if self._handing_back else OUTCOME_CANCELLED
 
     async def publish_output(self, reply_to: str, seq: int, out: RequestOutput, extra_usage: dict | None = None) -> None:
         usage = None
@@ -194,6 +213,8 @@ class Worker(Service):
                                     text=out.new_text, final=out.finished, finish_reason=out.finish_reason,
                                     usage=usage)
         await self.nc.publish(reply_to, protocol.encode(chunk))
+        self.metrics.output(out.request_id, seq, len(out.new_token_ids), out.finish_reason if out.finished else None,
+                            out.tpot)
 
     async def _drain_and_close(self) -> None:
         rt = self.runtime
@@ -208,6 +229,7 @@ class Worker(Service):
         if self.spec_log is not None:
             self.spec_log.close()
         await rt.close()
+        await self.metrics_server.stop()
         logger.info("%s stopped", self.config.worker_id)
 
     async def hand_back(self) -> None:
@@ -216,6 +238,7 @@ class Worker(Service):
         held = dict(self.active)
         if not held:
             return
+        self._handing_back = True
         for task, _ in held.values():
             task.cancel()
         await asyncio.wait([task for task, _ in held.values()], timeout=HAND_BACK_WAIT_S)

@@ -30,6 +30,8 @@ from shared.kv.events import KVEventPublisher
 from shared.kv.registry import available_transports, make_transport
 from shared.kv.store import RetentionPolicy, StoreConfig, TieredBlockStore
 from shared.kv.transport_choice import common_transport
+from shared.metrics.cache_tier import CacheTierMetrics
+from shared.metrics.server import MetricsServer
 from services.cache_tier.blocks import check_put_handle, fits, to_blocks, to_payload
 from services.cache_tier.ledger import TierLedger
 
@@ -49,6 +51,9 @@ class CacheTierService(Service):
         self.announced: set[int] = set()   # hashes published as stored (minus those published as removed)
         self._releases: dict[str, asyncio.TimerHandle] = {}
         self._gc_runs = 0
+        self.metrics = CacheTierMetrics(config.worker_id)  # read from the store and ledger at scrape time
+        self.metrics.watch(self)
+        self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
 
     async def start(self) -> None:
         c = self.config
@@ -81,6 +86,8 @@ class CacheTierService(Service):
         self.events.start()
         rt.spawn(self._maintenance())
         rt.start_heartbeat(self._load)
+        if c.metrics_port:
+            await self.metrics_server.start(c.metrics_port)
         logger.info("%s ready: %d blocks held, transports %s", c.worker_id, len(held), offered)
 
     def _load(self) -> dict:
@@ -95,6 +102,7 @@ class CacheTierService(Service):
 
     # -- operations ---------------------------------------------------------------------------------------
     async def on_put(self, msg) -> None:
+        t0 = time.perf_counter()
         put = protocol.decode(msg.data, protocol.CachePut)
         self.store.config.retention.ttl(put.retention)               # unknown class: invalid_request
         transport = self.transports.get(put.transport)
@@ -110,10 +118,12 @@ class CacheTierService(Service):
         self.announced.update(fresh)
         if fresh:
             self.events.sink("stored", fresh)
+        self.metrics.operation("put", time.perf_counter() - t0)
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(detail=f"{len(new)} new")))
 
     async def on_get(self, msg) -> None:
+        t0 = time.perf_counter()
         get = protocol.decode(msg.data, protocol.CacheGet)
         self.store.config.retention.ttl(get.retention)
         found, dram, bs = [], 0, get.block_size
@@ -129,6 +139,7 @@ class CacheTierService(Service):
         self.ledger.record_get(get.tenant, get.retention, len(get.block_hashes), reply.dram_blocks,
                                reply.ssd_blocks, reply.num_blocks * bs, sum(len(b.payload) for b in found)
                                if reply.num_blocks else 0)
+        self.metrics.operation("get", time.perf_counter() - t0)
         if msg.reply:
             await msg.respond(protocol.encode(reply))
 
@@ -206,6 +217,7 @@ class CacheTierService(Service):
             await transport.close()
         await self.store.close()
         await rt.close()
+        await self.metrics_server.stop()
         logger.info("%s stopped", self.config.worker_id)
 
 

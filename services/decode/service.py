@@ -7,11 +7,15 @@ recompute), so the prefill side may free its copy; every admitted request ends w
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import handle_meta
+from shared.metrics.common import OUTCOME_FINISHED
+from shared.metrics.worker import FINISH_REASONS
 from shared.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
@@ -30,7 +34,7 @@ class DecodeService(Worker):
             transport = self.transports.get(req.transport)
             if transport is None:
                 raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
-            dtype, shape, _ = handle_meta(req.handle)  # the handle's own fields agree with each other
+            dtype, shape, nbytes = handle_meta(req.handle)  # the handle's own fields agree with each other
             if [req.num_blocks, *req.block_shape] != shape or f"torch.{req.dtype}" != str(dtype):
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {[req.num_blocks, *req.block_shape]}"
                                      f" {req.dtype} disagrees with its handle {shape} {dtype}")
@@ -50,9 +54,12 @@ class DecodeService(Worker):
         hold = self.tier is not None  # keep the blocks at the end for the write-back
         written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0
         imported: list[int] = []  # blocks pulled from the cache tier (local prefill)
+        outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
         try:
             if handoff:
+                t_fetch = time.perf_counter()
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
+                self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
                 kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
                 submit = lambda: eng.import_prefilled(rid, req.prompt_token_ids, req.first_token, params, kv,
                                                       req.cache_salt, hold_kv=hold)
@@ -68,19 +75,26 @@ class DecodeService(Worker):
             async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
                                               ack if handoff else None):
                 if out.finished:
+                    outcome = OUTCOME_FINISHED if out.finish_reason in FINISH_REASONS else ErrorCode.INTERNAL.value
                     if not handoff:
                         extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
                                                           out.num_cached_tokens)
+                        self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
+                                                 extra["tier_cached_tokens"])
                     await self.publish_output(req.reply_to, seq, out, extra)
                     await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
                 else:
                     await self.publish_output(req.reply_to, seq, out)
                 seq += 1
         except DeepinferError as err:
+            outcome = err.code.value
             if not acked:
                 raise  # the prefill side (hand-off) or the router (dispatch) hears it in the reply
             await self.nc.publish(req.reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, seq, err)))
+        except asyncio.CancelledError:
+            outcome = self.cancelled_outcome()
+            raise
         finally:
-            self.untrack(rid)
+            self.untrack(rid, outcome)
             if hold:
                 await self.aengine.call(lambda: eng.release_held(rid))

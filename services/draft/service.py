@@ -21,6 +21,8 @@ from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.config import DraftConfig, load_config
 from shared.engine.config import EngineConfig
+from shared.metrics.draft import DraftMetrics
+from shared.metrics.server import MetricsServer
 from shared.model.llama import LlamaModel
 from shared.model.loader import load_model_files
 from shared.spec.factory import make_drafter
@@ -46,6 +48,9 @@ class DraftService(Service):
         self.nc = None
         self._lock = asyncio.Lock()
         self.served = self.sequences = self.tokens = 0
+        self.metrics = DraftMetrics(config.worker_id, config.drafter)  # counters above read at scrape time
+        self.metrics.watch(self)
+        self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
 
     async def start(self) -> None:
         c = self.config
@@ -62,18 +67,24 @@ class DraftService(Service):
         self.runtime.start_heartbeat(lambda: {"num_running": int(self._lock.locked()),
                                               "num_waiting": self.runtime.num_inflight, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
+        if c.metrics_port:
+            await self.metrics_server.start(c.metrics_port)
         logger.info("%s ready: drafter %s for %s", c.worker_id, c.drafter, model_id)
 
     async def on_draft(self, msg) -> None:
+        t0 = time.perf_counter()
         req = protocol.decode(msg.data, protocol.DraftRequest)
         sequences = sequences_of(req)
         async with self._lock:
+            t_forward = time.perf_counter()
             proposals = await asyncio.to_thread(self.drafter.propose, sequences, req.k)
+            self.metrics.forward_seconds.observe(time.perf_counter() - t_forward)
         self.served += 1
         self.sequences += len(sequences)
         self.tokens += sum(len(p.tokens) for p in proposals)
         if msg.reply:
             await msg.respond(protocol.encode(reply_for(proposals)))
+        self.metrics.request_seconds.observe(time.perf_counter() - t0)
 
     async def on_stats(self, msg) -> None:
         if msg.reply:
@@ -88,6 +99,7 @@ class DraftService(Service):
         await self.runtime.withdraw()
         await self.runtime.finish_inflight(self.config.drain_grace_s)
         await self.runtime.close()
+        await self.metrics_server.stop()
         logger.info("%s stopped", self.config.worker_id)
 
 

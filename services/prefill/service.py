@@ -14,6 +14,8 @@ import time
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
+from shared.metrics.common import OUTCOME_FINISHED
+from shared.metrics.worker import OUTCOME_HANDED_OFF
 from shared.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
@@ -35,18 +37,27 @@ class PrefillService(Worker):
         rid = req.request_id
         self.track(rid, req.reply_to)
         computed_from = [0]  # first block this prefill computed (the cached ones are not written back)
+        outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
         try:
-            await asyncio.wait_for(self._prefill(req, params, computed_from), timeout=max(req.deadline_s, 0.1))
+            outcome = await asyncio.wait_for(self._prefill(req, params, computed_from),
+                                             timeout=max(req.deadline_s, 0.1))
         except asyncio.TimeoutError:
+            outcome = ErrorCode.TIMEOUT.value
             await self._fail(req, DeepinferError(ErrorCode.TIMEOUT, "prefill or KV hand-off timed out"))
         except DeepinferError as err:
+            outcome = err.code.value
             await self._fail(req, err)
+        except asyncio.CancelledError:
+            outcome = self.cancelled_outcome()
+            raise
         finally:
-            self.untrack(rid)
+            self.untrack(rid, outcome)
             await self.tier_write_back(rid, computed_from[0], req.cache_salt, req.retention)
             await self.aengine.call(lambda: self.engine.release_held(rid))
 
-    async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int]) -> None:
+    async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int]) -> str:
+        """Prefill, stream the first token, hand the KV off; the outcome (``finished`` when the first token
+        ended the request, else ``handed_off``)."""
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -60,12 +71,14 @@ class PrefillService(Worker):
         tier_tokens = min(sum(imported) * eng.config.block_size, final.num_cached_tokens)
         if final.finish_reason not in ("length", "stop"):
             raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
+        self.metrics.prompt_done(final.num_prompt_tokens, final.num_cached_tokens, tier_tokens)
         if final.finish_reason == "stop" or params.max_tokens == 1:  # the engine's stop rule ended it
             await self.publish_output(req.reply_to, 0, final, {"tier_cached_tokens": tier_tokens})
-            return
+            return OUTCOME_FINISHED
         await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))
         ids = await self.aengine.call(lambda: eng.prompt_block_ids(rid))
         transport = self.transports[req.transport]
+        t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
         handle = await transport.stage_blocks(eng.kv_cache, ids, rid)  # gathers straight into staging
         try:
@@ -85,8 +98,10 @@ class PrefillService(Worker):
             answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
             if isinstance(answer, protocol.ErrorReply):
                 raise answer.to_exception()
+            self.metrics.handoff(req.transport, "sent", int(handle.get("nbytes", 0)), time.perf_counter() - t_handoff)
         finally:
             await transport.release(rid)
+        return OUTCOME_HANDED_OFF
 
     async def _fail(self, req: protocol.PrefillRequest, err: DeepinferError) -> None:
         logger.warning("[%s] prefill failed: %s", req.request_id, err)

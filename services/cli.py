@@ -3,6 +3,11 @@
 Subcommands: ``generate`` (in-process engine, or ``--url`` a running cluster), ``demo`` (in-process, one chat
 request), ``up`` (embedded cluster: nats-server, router, cache tier, prefill and decode workers), ``serve
 <service>``, ``status`` (a running cluster's services, hit rates and accounting), ``simulate``, ``bench``.
+
+NATS credentials: ``up`` starts its server with authentication (``--no-auth`` to disable; a ``--nats`` server is
+never touched) and prints the client's URL with its credentials; ``generate --url`` and ``status`` take
+``--user``/``--password`` (default: ``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``) or credentials in the
+URL (``nats://user:pass@host:port``).
 """
 from __future__ import annotations
 
@@ -16,12 +21,13 @@ import logging
 import signal
 import sys
 import time
+import urllib.parse
 
 from tqdm import tqdm
 
 from shared.client import generate_stream
 from shared.launcher import Cluster, ClusterSpec
-from shared import protocol
+from shared import nats_auth, protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -83,11 +89,13 @@ def run_demo(args: argparse.Namespace) -> int:
 DEMO_MESSAGES = [{"role": "user", "content": DEMO_PROMPT}]
 
 
-async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dict:
-    nc = await connect(url, "deepinfer-cli")
+async def stream_to_terminal(url: str, request: protocol.GenerateRequest, user: str = "", password: str = "") -> dict:
+    """Stream one request's text to stdout; a tenant's user (``client-<tenant>``) sends on its tenant subject."""
+    nc = await connect(url, "deepinfer-cli", user=user, password=password)
+    tenant = nats_auth.tenant_of_user(user or urllib.parse.unquote(urllib.parse.urlsplit(url).username or ""))
     usage: dict = {}
     try:
-        async for chunk in generate_stream(nc, request):
+        async for chunk in generate_stream(nc, request, tenant=tenant):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             usage = chunk.usage or usage
@@ -101,11 +109,7 @@ async def stream_to_terminal(url: str, request: protocol.GenerateRequest) -> dic
     return usage
 
 
-async def _up(args: argparse.Namespace) -> int:
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
-                       kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
-                       policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
-                       cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter)
+async def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,11 +120,13 @@ async def _up(args: argparse.Namespace) -> int:
               f"(logs in {cluster.log_dir}) ...", flush=True)
         await cluster.start()
         print(f"deepinfer is up\n  NATS      {cluster.nats_url}\n  API       di.v1.generate (msgpack; see README)\n"
-              f"  try       deepinfer generate --url {cluster.nats_url} --chat \"Hello\"", flush=True)
+              + _credential_lines(cluster)
+              + f"  try       deepinfer generate --url {cluster.client_url()} --chat \"Hello\"", flush=True)
         if args.demo:
             print(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
+            user, password = cluster.client_credentials
             await stream_to_terminal(cluster.nats_url, protocol.GenerateRequest(
-                messages=DEMO_MESSAGES, max_tokens=64, temperature=0.0, timeout_s=120.0))
+                messages=DEMO_MESSAGES, max_tokens=64, temperature=0.0, timeout_s=120.0), user, password)
         if not args.exit_after_demo:
             print("serving; Ctrl-C stops everything", flush=True)
             await stop.wait()
@@ -130,8 +136,30 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credential_lines(cluster: Cluster) -> str:
+    """The ``up`` banner's credential lines ("" without auth): passwords are fresh per run."""
+    if not cluster.passwords:
+        return ""
+    user, password = cluster.client_credentials
+    lines = [f"  client    user {user}, password {password}  ({cluster.client_url()})"]
+    lines += [f"  tenant    {t}: {cluster.client_url(tenant=t)}  (publishes di.v1.generate.{t})"
+              for t in cluster.spec.tenants]
+    lines.append(f"  status    deepinfer status --url {cluster.client_url(user='monitor')}")
+    return "\n".join(lines) + "\n"
+
+
 def run_up(args: argparse.Namespace) -> int:
-    return asyncio.run(_up(args))
+    try:  # auth: the embedded server only (a --nats server's users are not ours to make)
+        spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
+                           kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
+                           policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
+                           cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter,
+                           auth=not args.no_auth and not args.nats,
+                           tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
+    except ValueError as err:  # e.g. --tenants without auth, or a tenant name that cannot be a NATS user
+        print(f"deepinfer: error: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(_up(args, spec))
 
 
 def run_remote_generate(args: argparse.Namespace) -> int:
@@ -139,14 +167,14 @@ def run_remote_generate(args: argparse.Namespace) -> int:
         **({"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}),
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=list(args.stop))
-    asyncio.run(stream_to_terminal(args.url, request))
+    asyncio.run(stream_to_terminal(args.url, request, args.user, args.password))
     return 0
 
 
 async def _status(args: argparse.Namespace) -> int:
     from shared import status
 
-    nc = await connect(args.url, "deepinfer-status")
+    nc = await connect(args.url, "deepinfer-status", user=args.user, password=args.password)
     try:
         report = await status.collect(nc, listen_s=args.listen)
     finally:
@@ -169,6 +197,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs available)")
 
 
+def _add_credential_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--user", default=os.environ.get("DEEPINFER_NATS_USER", ""),
+                   help="NATS user (default $DEEPINFER_NATS_USER; or put user:pass@ in the URL)")
+    p.add_argument("--password", default=os.environ.get("DEEPINFER_NATS_PASSWORD", ""),
+                   help="NATS password (default $DEEPINFER_NATS_PASSWORD)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -187,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--url", default=None, help="send to a running cluster (nats://...) instead of in-process")
+    _add_credential_args(gen)
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
@@ -212,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative decoding: N draft services, or 'local' (a drafter inside each decode worker)")
     up.add_argument("--drafter", default="prompt_lookup",
                     help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
+    up.add_argument("--no-auth", action="store_true",
+                    help="start nats-server without users (default: one user per role, fresh passwords)")
+    up.add_argument("--tenants", default="", metavar="A,B",
+                    help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
     up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
@@ -224,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", required=True, help="the cluster's NATS URL (nats://...)")
     st.add_argument("--listen", type=float, default=1.5, help="seconds to listen for heartbeats")
     st.add_argument("--json", action="store_true", help="print the raw report as JSON")
+    _add_credential_args(st)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
     serve.add_argument("service", choices=["router", "prefill", "decode", "cache-tier", "draft"])

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import signal
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -37,11 +38,19 @@ HAND_BACK_WAIT_S = 5.0  # after hand_back(), how long handlers get to publish th
 MAX_INFLIGHT_HANDLERS = 4096  # work handlers running at once per service; more are refused ``overloaded``
 
 
-async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None) -> nats.NATS:
+async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None, *, user: str = "",
+                  password: str = "") -> nats.NATS:
     """Connect, retrying forever on later disconnects (services outlive NATS restarts). nats-py closes a
     connection for good on a server ``-ERR``; ``on_closed`` hears every close (``ServiceRuntime`` turns one it
     did not ask for into a stop with a failing exit code, so a supervisor restarts the service instead of it
-    living on deaf)."""
+    living on deaf).
+
+    Credentials: ``user``/``password`` (a service's ``nats_user``/``nats_password``), else those of a
+    ``nats://user:pass@host:port`` URL, else none. With a user, every inbox of the connection lives under
+    ``subjects.inbox_prefix(user)``, the only inboxes that user may subscribe to (``shared/nats_auth.py``).
+    A permissions violation leaves the connection open and is logged as a warning (a misconfiguration).
+    Credentials the server refuses on the first connect raise ``DeepinferError(unavailable)`` at once
+    (nats-py would retry them forever); an unreachable server is still waited for."""
     async def on_disconnect():
         logger.info("%s: disconnected from NATS", name)
 
@@ -49,16 +58,50 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
         logger.info("%s: reconnected to NATS", name)
 
     async def on_error(err):
-        logger.debug("%s: NATS error %s", name, err)
+        text = str(err).lower()
+        if (isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in text) \
+                and not refused.done():
+            refused.set_result(err)
+        if "permissions violation" in text:
+            logger.warning("%s: NATS refused: %s", name, err)
+        else:
+            logger.debug("%s: NATS error %s", name, err)
 
     async def on_close():
         if on_closed is not None:
             on_closed()
 
-    return await nats.connect(url, name=name, connect_timeout=5, reconnect_time_wait=0.25,
-                              max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5,
-                              max_outstanding_pings=2, disconnected_cb=on_disconnect,
-                              reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close)
+    auth: dict = {}
+    login = user or urllib.parse.unquote(urllib.parse.urlsplit(url).username or "")
+    if user:
+        auth.update(user=user, password=password)
+    if login:
+        auth["inbox_prefix"] = subjects.inbox_prefix(login)
+    refused: asyncio.Future = asyncio.get_running_loop().create_future()
+    nc = nats.NATS()
+    connecting = asyncio.ensure_future(nc.connect(
+        url, name=name, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
+        allow_reconnect=True, ping_interval=5, max_outstanding_pings=2, disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close, **auth))
+    try:
+        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done():
+            await connecting  # raises what nats-py raised
+            return nc
+    except BaseException:  # nats-py failed, or we were cancelled
+        await _abandon(nc, connecting)
+        raise
+    await _abandon(nc, connecting)  # refused: stop nats-py's retry loop
+    raise DeepinferError(ErrorCode.UNAVAILABLE, f"NATS at {urllib.parse.urlsplit(url).hostname} refused user "
+                         f"{login or '(none)'!r}: authorization violation (check DEEPINFER_NATS_USER / "
+                         "DEEPINFER_NATS_PASSWORD)")
+
+
+async def _abandon(nc: nats.NATS, connecting: asyncio.Future) -> None:
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 async def reply_error(nc: nats.NATS, msg: Msg, err: DeepinferError) -> None:

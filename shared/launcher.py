@@ -6,6 +6,12 @@ idempotent, SIGTERMs every child (each drains, see ``shared/bus.py``), SIGKILLs 
 grace period (longer than the services' default ``drain_grace_s``), then stops the
 server it started — no orphan processes. CPU threads are split between engine processes so two cores are
 never oversubscribed.
+
+Authentication (``ClusterSpec.auth``, embedded server only): fresh random passwords per run, one NATS user per
+role with the permissions of ``shared/nats_auth.py``; each child gets its role's credentials in its
+environment (``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``, never argv, so ``ps`` does not show them),
+also when respawned. The launcher's own health check connects as the read-only ``monitor``; clients use
+``client_credentials`` / ``connect_client(tenant)``.
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import protocol, subjects
+import nats
+
+from shared import nats_auth, protocol, subjects
 from shared.bus import connect
 from shared.nats_server import EmbeddedNatsServer, free_port, start_embedded_server
 
@@ -50,10 +58,18 @@ class ClusterSpec:
     http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
     http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP
     metrics: bool = True  # every worker, tier and draft service serves Prometheus /metrics on a free port
+    auth: bool = False  # NATS users and per-role permissions (embedded server only; see shared/nats_auth.py)
+    tenants: list[str] = field(default_factory=list)  # with auth: one client user client-<tenant> each
 
     temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
 
     def __post_init__(self) -> None:
+        if self.auth and self.nats_url:
+            raise ValueError("auth needs the embedded nats-server (nats_url=''): its users are generated here")
+        if self.tenants and not self.auth:
+            raise ValueError("tenants need auth=True (a tenant is a NATS user)")
+        for tenant in self.tenants:
+            nats_auth.tenant_user(tenant)  # ValueError for a name that cannot be a user
         if self.cache_tier and not self.cache_tier_dir:
             self.cache_tier_dir = tempfile.mkdtemp(prefix="deepinfer-tier-")
             self.temp_tier_dir = True
@@ -71,6 +87,8 @@ class Cluster:
         self.nats_url = spec.nats_url
         self.http_port = free_port(spec.http_host) if spec.http_port == 0 else spec.http_port
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
+        # user -> password of this run ({} = no auth); never logged, never on a command line
+        self.passwords: dict[str, str] = nats_auth.generate_passwords(spec.tenants) if spec.auth else {}
 
     @property
     def http_url(self) -> str:
@@ -83,8 +101,39 @@ class Cluster:
         self.metrics_ports[name] = self.metrics_ports.get(name) or free_port()
         return ["--metrics-port", str(self.metrics_ports[name])]
 
-    def _spawn(self, name: str, module: str, args: list[str], threads: int) -> None:
+    def credentials(self, user: str) -> tuple[str, str]:
+        """(user, password) of ``user`` (a role, ``monitor`` or ``client-<tenant>``); ("", "") without auth."""
+        if not self.passwords:
+            return "", ""
+        if user not in self.passwords:
+            raise KeyError(f"no NATS user {user!r} in this cluster (users: {sorted(self.passwords)})")
+        return user, self.passwords[user]
+
+    @property
+    def client_credentials(self) -> tuple[str, str]:
+        """(user, password) of the ``client`` role: may publish ``di.v1.generate``/``di.v1.cancel`` only."""
+        return self.credentials("client")
+
+    def client_url(self, tenant: str | None = None, user: str | None = None) -> str:
+        """The NATS URL with the client's (or tenant's, or ``user``'s) credentials in it (no auth: ``nats_url``)."""
+        name, password = self.credentials(user or (nats_auth.tenant_user(tenant) if tenant else "client"))
+        if not name:
+            return self.nats_url
+        return self.nats_url.replace("nats://", f"nats://{name}:{password}@", 1)
+
+    async def connect_as(self, user: str, name: str = "") -> nats.NATS:
+        """A connection as ``user`` (``shared.bus.connect``: its inbox prefix, reconnects); close it yourself."""
+        login, password = self.credentials(user)
+        return await connect(self.nats_url, name or f"launcher-{user}", user=login, password=password)
+
+    async def connect_client(self, tenant: str | None = None) -> nats.NATS:
+        """A connection as the ``client`` role, or as tenant ``tenant``'s client (``client-<tenant>``)."""
+        return await self.connect_as(nats_auth.tenant_user(tenant) if tenant else "client")
+
+    def _spawn(self, name: str, module: str, args: list[str], threads: int, role: str) -> None:
         env = {**os.environ, **self.spec.extra_env, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        if self.passwords:  # the role's credentials, in the environment only (argv is world-readable)
+            env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"] = self.credentials(role)
         log = open(self.log_dir / f"{name}.log", "wb")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
@@ -102,7 +151,7 @@ class Cluster:
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),
-                                               *(["--model", s.model] if s.model else [])], threads)
+                                               *(["--model", s.model] if s.model else [])], threads, role)
         return name
 
     def spawn_draft(self, index: int) -> str:
@@ -111,7 +160,7 @@ class Cluster:
         self._spawn(name, "services.draft", ["--nats-url", self.nats_url, "--worker-id", name, "--drafter",
                                              s.drafter, "--threads", "1", "--dtype", s.dtype,
                                              *self._metrics_args(name),
-                                             *(["--model", s.model] if s.model else [])], 1)
+                                             *(["--model", s.model] if s.model else [])], 1, "draft")
         return name
 
     def spawn_tier(self, index: int) -> str:
@@ -121,15 +170,15 @@ class Cluster:
                                                   "--directory", s.tier_dir(index),
                                                   "--dram-mb", str(s.cache_tier_dram_mb),
                                                   "--ssd-mb", str(s.cache_tier_ssd_mb),
-                                                  *self._metrics_args(name)], 1)
+                                                  *self._metrics_args(name)], 1, "cache-tier")
         return name
 
     async def start(self) -> None:
         s = self.spec
         if not self.nats_url:
-            self.server = start_embedded_server()
+            self.server = start_embedded_server(users=nats_auth.users(self.passwords, s.tenants))
             self.nats_url = self.server.url
-        self._spawn("router", "services.router", self.router_args(), 1)
+        self._spawn("router", "services.router", self.router_args(), 1, "router")
         names = ["router"] + [self.spawn_tier(i) for i in range(s.cache_tier)]
         names += [self.spawn_worker("prefill", i) for i in range(s.prefill)]
         names += [self.spawn_worker("decode", i) for i in range(s.decode)]
@@ -149,7 +198,7 @@ class Cluster:
             while (self.log_dir / f"router.log.{n}").exists():
                 n += 1
             log.rename(self.log_dir / f"router.log.{n}")
-        self._spawn("router", "services.router", self.router_args(), 1)
+        self._spawn("router", "services.router", self.router_args(), 1, "router")
 
     def router_args(self) -> list[str]:
         """The router's command line (flags of ``RouterConfig``)."""
@@ -160,7 +209,7 @@ class Cluster:
                 *(["--model", s.model] if s.model else [])]
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
-        nc = await connect(self.nats_url, "launcher")
+        nc = await self.connect_as(nats_auth.MONITOR, "launcher")  # may subscribe to heartbeats, nothing more
         seen: set[str] = set()
 
         async def on_load(msg) -> None:

@@ -9,6 +9,8 @@ Invariants:
 - ``stop()`` is idempotent: SIGTERM, then SIGKILL after ``kill_after`` seconds; the temporary store dir
   (only when we created it) is removed. An ``atexit`` hook stops servers the host process forgot.
 - ``max_payload`` is 8 MB by default (KV ``stream`` chunks are 1 MiB; headers and msgpack frames fit).
+- No authentication by default. ``users`` (``shared.nats_auth.NatsUser``s) turn it on: the config file, which
+  then holds their passwords, is readable by its owner only; the command line names only that file.
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
+
+from shared.nats_auth import NatsUser, render_server_config
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,10 @@ class EmbeddedNatsServer:
     """One nats-server child process. Attributes: ``url``, ``port``, ``host``, ``store_dir``, ``proc``."""
 
     def __init__(self, port: int = 0, store_dir: str | os.PathLike | None = None, host: str = "127.0.0.1",
-                 jetstream: bool = True, max_payload: str = "8MB", binary: str | None = None) -> None:
+                 jetstream: bool = True, max_payload: str = "8MB", binary: str | None = None,
+                 users: Sequence[NatsUser] = ()) -> None:
         self.host = host
+        self.users = tuple(users)
         self.port = port or free_port(host)
         self.jetstream = jetstream
         self.max_payload = max_payload
@@ -83,10 +90,11 @@ class EmbeddedNatsServer:
 
     def _write_config(self) -> Path:
         conf = self._work / "nats.conf"
-        lines = [f"listen: {self.host}:{self.port}", f"max_payload: {self.max_payload}"]
-        if self.jetstream:
-            lines.append(f'jetstream {{ store_dir: "{self.store_dir}" }}')
-        conf.write_text("\n".join(lines) + "\n")
+        text = render_server_config(listen=f"{self.host}:{self.port}", max_payload=self.max_payload,
+                                    store_dir=str(self.store_dir) if self.jetstream else None, users=self.users)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         return conf
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNatsServer":
@@ -161,13 +169,14 @@ class EmbeddedNatsServer:
 
 def start_embedded_server(port: int = 0, store_dir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                           jetstream: bool = True, max_payload: str = "8MB",
-                          timeout: float = 10.0) -> EmbeddedNatsServer:
+                          timeout: float = 10.0, users: Sequence[NatsUser] = ()) -> EmbeddedNatsServer:
     """Start a nats-server (JetStream on) and return once it accepts connections.
 
-    ``port=0`` picks a free loopback port; ``store_dir=None`` uses a temporary dir removed by ``stop()``.
+    ``port=0`` picks a free loopback port; ``store_dir=None`` uses a temporary dir removed by ``stop()``;
+    ``users`` (e.g. ``nats_auth.users(passwords)``) turn authentication and per-role permissions on.
     """
     return EmbeddedNatsServer(port=port, store_dir=store_dir, host=host, jetstream=jetstream,
-                              max_payload=max_payload).start(timeout=timeout)
+                              max_payload=max_payload, users=users).start(timeout=timeout)
 
 
 @atexit.register

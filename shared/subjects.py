@@ -16,6 +16,9 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
 - ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
 - ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``put``, ``get``, ``release``, ``stats``
 
+Wildcard patterns (``*_ALL``, ``ctl_all``, ``cache_all``), inboxes (``inbox_prefix(user)``) and the registry's
+JetStream subjects (``REGISTRY_KV``, ``REGISTRY_API``) exist for the per-role permissions in ``shared/nats_auth.py``.
+
 ``REGISTRY_BUCKET`` is the JetStream KV bucket (not a subject; bucket names may not contain dots) where
 workers register a WorkerInfo under their worker id, with a TTL.
 
@@ -146,3 +149,37 @@ def cache(op: str, tier: str) -> str:
 def stats(service: str) -> str:
     """Where any service answers a ``StatsRequest`` with its ``StatsReply`` (``deepinfer status``)."""
     return ctl(service, "stats")
+
+
+# ---- wildcard patterns and NATS-internal subjects (for the per-role permissions of ``shared/nats_auth.py``) ----
+PREFILL_ALL = f"{PREFIX}.prefill.*"
+DECODE_ALL = f"{PREFIX}.decode.*"
+KV_PULL_ALL = f"{PREFIX}.kvx.*"
+DRAFT_ALL = f"{PREFIX}.draft.*"
+INBOX_ROOT = "_INBOX"  # nats-py's default inbox root; every deepinfer connection adds its user under it
+REGISTRY_KV = f"$KV.{REGISTRY_BUCKET}.>"  # puts and deletes of registry entries (JetStream KV)
+REGISTRY_API = (f"$JS.API.STREAM.INFO.KV_{REGISTRY_BUCKET}",    # look the bucket up
+                f"$JS.API.STREAM.CREATE.KV_{REGISTRY_BUCKET}")  # create it when missing
+
+
+def ctl_all(op: str) -> str:
+    """Operation ``op`` of every service's control plane (``ctl(<any service>, op)``)."""
+    return f"{PREFIX}.ctl.*.{validate_token(op, 'op')}"
+
+
+def cache_all(op: str) -> str:
+    """Operation ``op`` (one of ``CACHE_OPS``) of every cache tier (``cache(op, <any tier>)``)."""
+    if op not in CACHE_OPS:
+        raise ValueError(f"cache op must be one of {CACHE_OPS}, got {op!r}")
+    return f"{PREFIX}.cache.{op}.*"
+
+
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix of every connection of NATS user ``user`` (``nats.connect(inbox_prefix=...)``): its
+    request replies and stream inboxes live under it, and nobody else may subscribe there."""
+    return f"{INBOX_ROOT}.{validate_token(user, 'user')}"
+
+
+def inbox_all(user: str) -> str:
+    """Every inbox of NATS user ``user``."""
+    return f"{inbox_prefix(user)}.>"

@@ -65,7 +65,8 @@ class Worker(Service):
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None)
         engine = await asyncio.to_thread(LLMEngine.from_path, c.model or None, engine_cfg)
-        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
+                                password=c.nats_password)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
         engine.set_kv_event_sink(self.kv_events.sink)  # before the engine thread starts
         if c.role == "decode" and c.draft:

@@ -64,7 +64,8 @@ class CacheTierService(Service):
                                    fsync=c.fsync, retention=RetentionPolicy.from_spec(c.retention))
         self.store = await TieredBlockStore.open(store_config)
         logger.info("%s: store open at %s: %s", c.worker_id, c.directory, self.store.stats())
-        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
+                                password=c.nats_password)
         self.events = KVEventPublisher(self.nc, c.worker_id, self._held_hashes, tier="cache_tier")
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports() and t != "cuda_ipc"]

@@ -58,7 +58,8 @@ class DraftService(Service):
         target = await asyncio.to_thread(load_target, c)
         self.drafter = await asyncio.to_thread(make_drafter, c.drafter, target, c.window)
         model_id = target.config.model_id
-        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
+                                password=c.nats_password)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="draft", model_id=model_id, host=socket.gethostname(),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, max_inflight=MAX_INFLIGHT)

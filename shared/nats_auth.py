@@ -1,0 +1,237 @@
+"""NATS users and per-role permissions, generated from ``shared/subjects.py``; nats-server config rendering.
+
+One NATS user per service role (``ROLES``), a read-only ``monitor`` (the launcher's health check, ``deepinfer
+status``) and optional tenant clients ``client-<tenant>``. Every service connects with
+``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
+
+Invariants (tests/unit/test_nats_auth.py, tests/integration/test_nats_permissions.py):
+- Every subject and pattern below comes from ``shared/subjects.py``: the permissions cannot drift from the
+  subjects the services use. ``compose/nats.conf`` is ``render_compose_config()`` verbatim (a test compares).
+- Allow lists only: whatever a list does not name is denied. A user subscribes to no inbox but its own
+  (``_INBOX.<user>.>``); replies to NATS requests go through ``allow_responses`` (one reply each), while
+  inboxes named inside message bodies or streamed to are explicit: workers publish TokenChunks to
+  ``_INBOX.router.>`` (``PrefillRequest.reply_to``), the router streams to its clients' inboxes.
+- ``client`` publishes ``GENERATE`` and ``CANCEL`` only; ``client-<t>`` only ``generate_as(t)`` and
+  ``cancel_as(t)``. Only the services that own them publish heartbeats, KV events, hand-offs, prefill
+  requests, cache operations and registry entries.
+- Passwords never reach a command line: rendered configs hold them (literal, or ``$NATS_PASSWORD_<ROLE>``
+  environment references in the compose config), services read them from ``DEEPINFER_NATS_PASSWORD``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import secrets
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+
+from shared import subjects as S
+
+ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
+MONITOR = "monitor"
+TENANT_PREFIX = "client-"
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs
+
+# Compose (compose/docker-compose.yml): the server listens here, the store is a volume, monitoring on 8222.
+COMPOSE_LISTEN = "0.0.0.0:4222"
+COMPOSE_HTTP = 8222
+COMPOSE_STORE_DIR = "/data/jetstream"
+MAX_PAYLOAD = "8MB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Permissions:
+    """Allow lists of one user (nothing else is allowed); ``allow_responses``: may answer requests it got."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NatsUser:
+    """One ``authorization.users`` entry. ``password_env`` (e.g. ``NATS_PASSWORD_ROUTER``) renders as a
+    nats-server environment reference instead of the literal ``password``; ``permissions=None`` means
+    unrestricted (only tests use that, for an observer that must see everything)."""
+
+    name: str
+    password: str = dataclasses.field(default="", repr=False)
+    password_env: str = ""
+    permissions: Permissions | None = None
+
+
+def tenant_user(tenant: str) -> str:
+    """The NATS user of tenant ``tenant``'s clients."""
+    return TENANT_PREFIX + _check_name(tenant, "tenant")
+
+
+def tenant_of_user(user: str) -> str | None:
+    """The tenant of a ``client-<tenant>`` user (it must publish on ``generate_as(tenant)``); None otherwise."""
+    tenant = user[len(TENANT_PREFIX):] if user.startswith(TENANT_PREFIX) else ""
+    return tenant or None
+
+
+def _check_name(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what} {name!r} must be non-empty letters, digits, '_' or '-'")
+    S.validate_token(name, what)  # length bound
+    return name
+
+
+def _own_inbox(user: str) -> tuple[str, ...]:
+    return (S.inbox_all(user),)
+
+
+def _service(user: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
+    """A service: heartbeats + registry entry, its own inbox (``sync_with_server`` publishes there), replies."""
+    own = _own_inbox(user)
+    return Permissions(publish=(*publish, S.LOAD_ALL, S.REGISTRY_KV, *S.REGISTRY_API, *own),
+                       subscribe=(*subscribe, S.ctl_all("stats"), *own), allow_responses=True)
+
+
+_CACHE_CLIENT = tuple(S.cache_all(op) for op in ("put", "get", "release"))  # a worker's tier client
+
+
+def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
+    """Permissions of ``user``: a role of ``ROLES``, ``MONITOR`` or ``client-<tenant>``. ``tenants`` are the
+    tenants configured on this server: the router may stream to their clients' inboxes."""
+    if user == "router":
+        clients = ["client", *(tenant_user(t) for t in tenants)]
+        return _service(user,
+                        publish=(S.PREFILL_ALL, S.DECODE_ALL, S.CANCEL, S.ctl_all("kv_snapshot"),
+                                 S.ctl_all("probe"), *(S.inbox_all(c) for c in clients)),
+                        subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.LOAD_ALL,
+                                   S.KV_EVENTS))
+    if user in ("prefill", "decode"):
+        worker_sub = (S.CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
+                      S.KV_PULL_ALL,  # serve staged transfers (hand-offs, tier write-backs)
+                      S.LOAD_ALL)     # the cache tier's heartbeats (TierClient)
+        worker_pub = (S.KV_EVENTS, S.KV_PULL_ALL, *_CACHE_CLIENT,
+                      S.inbox_all("router"))  # TokenChunks to PrefillRequest/DecodeLocalRequest.reply_to
+        if user == "prefill":
+            return _service(user, publish=(*worker_pub, S.DECODE_ALL), subscribe=(S.PREFILL_ALL, *worker_sub))
+        return _service(user, publish=(*worker_pub, S.DRAFT_ALL), subscribe=(S.DECODE_ALL, *worker_sub))
+    if user == "draft":
+        return _service(user, publish=(), subscribe=(S.DRAFT_ALL,))
+    if user == "cache-tier":
+        return _service(user, publish=(S.KV_EVENTS, S.KV_PULL_ALL),  # pulls the workers' write-backs
+                        subscribe=(*(S.cache_all(op) for op in S.CACHE_OPS), S.ctl_all("kv_snapshot"),
+                                   S.KV_PULL_ALL))  # serves its staged gets
+    if user == "client":
+        return Permissions(publish=(S.GENERATE, S.CANCEL), subscribe=_own_inbox(user))
+    if user.startswith(TENANT_PREFIX):
+        tenant = _check_name(user[len(TENANT_PREFIX):], "tenant")
+        return Permissions(publish=(S.generate_as(tenant), S.cancel_as(tenant)), subscribe=_own_inbox(user))
+    if user == MONITOR:
+        return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)))
+    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {MONITOR!r} or {TENANT_PREFIX}<tenant>")
+
+
+def user_names(tenants: Sequence[str] = (), monitor: bool = True) -> list[str]:
+    """Every user of a deployment: the roles, the monitor (when asked) and one client user per tenant."""
+    return [*ROLES, *([MONITOR] if monitor else []), *(tenant_user(t) for t in tenants)]
+
+
+def generate_passwords(tenants: Sequence[str] = (), monitor: bool = True) -> dict[str, str]:
+    """A fresh random password (32 URL-safe characters, 192 bits) per user of ``user_names``."""
+    return {name: secrets.token_urlsafe(24) for name in user_names(tenants, monitor)}
+
+
+def users(passwords: Mapping[str, str], tenants: Sequence[str] = ()) -> list[NatsUser]:
+    """The ``NatsUser`` entries of ``passwords`` (user -> password), each with its role's permissions."""
+    return [NatsUser(name, pw, permissions=permissions(name, tenants)) for name, pw in passwords.items()]
+
+
+def password_env(user: str) -> str:
+    """The variable holding ``user``'s password in compose (``cache-tier`` -> ``NATS_PASSWORD_CACHE_TIER``)."""
+    return "NATS_PASSWORD_" + _check_name(user, "user").upper().replace("-", "_")
+
+
+def compose_users(tenants: Sequence[str] = (), monitor: bool = False) -> list[NatsUser]:
+    """Compose's users, passwords from the nats container's environment. The monitor (``deepinfer status``)
+    only when asked: its ``NATS_PASSWORD_MONITOR`` must then be set too, or nats-server refuses the config."""
+    names = user_names(tenants, monitor=monitor)
+    envs = [password_env(n) for n in names]
+    if len(set(envs)) != len(envs):
+        raise ValueError(f"tenants {list(tenants)} map to the same password variable")
+    return [NatsUser(n, password_env=e, permissions=permissions(n, tenants)) for n, e in zip(names, envs)]
+
+
+def _quote(text: str) -> str:
+    if '"' in text or "\\" in text or not text.isprintable():
+        raise ValueError(f"cannot quote {text!r} in a nats-server config")
+    return f'"{text}"'
+
+
+def _render_user(user: NatsUser) -> list[str]:
+    _check_name(user.name, "user")
+    if user.password_env:
+        secret = "$" + _check_name(user.password_env, "password variable")
+    elif user.password and _NAME.match(user.password):
+        secret = _quote(user.password)
+    else:
+        raise ValueError(f"user {user.name!r}: the password must be non-empty letters, digits, '_' or '-'")
+    lines = ["    {", f"      user: {_quote(user.name)}", f"      password: {secret}"]
+    perms = user.permissions
+    if perms is not None:
+        lines.append("      permissions: {")
+        for verb, allow in (("publish", perms.publish), ("subscribe", perms.subscribe)):
+            lines.append(f"        {verb}: {{ allow: [")
+            lines += [f"          {_quote(s)}" for s in dict.fromkeys(allow)]  # in order, no duplicates
+            lines.append("        ] }")
+        if perms.allow_responses:
+            lines.append("        allow_responses: true")
+        lines.append("      }")
+    return lines + ["    }"]
+
+
+def render_server_config(*, listen: str, max_payload: str = MAX_PAYLOAD, store_dir: str | None = None,
+                         http_port: int | None = None, users: Sequence[NatsUser] = ()) -> str:
+    """A nats-server config: ``listen``, ``max_payload``, JetStream in ``store_dir`` (None: off), monitoring on
+    ``http_port`` (None: off), and ``authorization`` with ``users`` (none: no authentication at all)."""
+    lines = [f"listen: {listen}", f"max_payload: {max_payload}"]
+    if http_port is not None:
+        lines.append(f"http_port: {int(http_port)}")
+    if store_dir is not None:
+        lines.append(f"jetstream {{ store_dir: {_quote(str(store_dir))} }}")
+    if users:
+        names = [u.name for u in users]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate NATS users in {names}")
+        lines += ["authorization {", "  users = ["]
+        for user in users:
+            lines += _render_user(user)
+        lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_compose_config(tenants: Sequence[str] = (), monitor: bool = False) -> str:
+    """The checked-in ``compose/nats.conf`` (regenerate: ``python -m shared.nats_auth compose > compose/nats.conf``)."""
+    header = ("# Generated by `python -m shared.nats_auth compose` from shared/subjects.py: do not edit by hand.\n"
+              "# Passwords come from the nats container's environment (NATS_PASSWORD_<ROLE>); each service\n"
+              "# connects as DEEPINFER_NATS_USER=<role> with DEEPINFER_NATS_PASSWORD.\n")
+    return header + render_server_config(listen=COMPOSE_LISTEN, max_payload=MAX_PAYLOAD,
+                                         store_dir=COMPOSE_STORE_DIR, http_port=COMPOSE_HTTP,
+                                         users=compose_users(tenants, monitor))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``compose``: print compose's nats.conf; ``env``: print fresh ``NATS_PASSWORD_<ROLE>=...`` lines (a
+    ``.env`` file for docker compose)."""
+    parser = argparse.ArgumentParser(prog="python -m shared.nats_auth", description=main.__doc__)
+    parser.add_argument("what", choices=["compose", "env"])
+    parser.add_argument("--tenants", default="", help="comma-separated tenant names (users client-<tenant>)")
+    parser.add_argument("--monitor", action="store_true", help="add the monitor user (deepinfer status)")
+    args = parser.parse_args(argv)
+    tenants = [t.strip() for t in args.tenants.split(",") if t.strip()]
+    if args.what == "compose":
+        sys.stdout.write(render_compose_config(tenants, args.monitor))
+    else:
+        for name, pw in generate_passwords(tenants, monitor=args.monitor).items():
+            sys.stdout.write(f"{password_env(name)}={pw}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

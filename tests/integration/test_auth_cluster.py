@@ -1,0 +1,92 @@
+"""A whole cluster under NATS authentication (``ClusterSpec(auth=True)``): every service runs as its own role
+with only the permissions of shared/nats_auth.py, and a client connected as ``client`` still gets its answer
+end to end (router -> prefill -> KV hand-off over the ``stream`` transport -> decode -> client, write-backs to
+the cache tier, stats to the monitor). No service is refused anything, no password is on a command line, and a
+respawned router gets its credentials again. A tenant's client (``client-a``) is served on its own subject."""
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from shared import nats_auth, protocol
+from shared.client import generate
+from shared.errors import DeepinferError, ErrorCode
+from shared.launcher import Cluster, ClusterSpec
+from shared.status import collect
+from tests.model_factory import write_tiny_hf_folder
+
+ROUTER_SOURCE = Path(__file__).resolve().parents[2] / "services" / "router" / "service.py"
+pytestmark = pytest.mark.skipif("nats_user" not in ROUTER_SOURCE.read_text(),
+                                reason="the router does not pass its NATS credentials to connect yet")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+async def generate_retrying(nc, request: protocol.GenerateRequest) -> list[int]:
+    """A router placing work needs a heartbeat from each worker first: retry ``unavailable`` for a while."""
+    for _ in range(40):
+        try:
+            return (await generate(nc, request))[0]
+        except DeepinferError as err:
+            if err.code != ErrorCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(0.25)
+    pytest.fail("the router never placed the request")
+
+
+async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, model=str(folder), kv_cache_mb=32, dtype="float64",
+                                  local_prefill_threshold=0, transports="stream", auth=True, metrics=False,
+                                  http_port=-1, tenants=["a"]))
+    request = protocol.GenerateRequest(prompt_token_ids=list(range(3, 40)), max_tokens=4, temperature=0.0,
+                                       ignore_eos=True, prefill_mode="remote")
+    try:
+        await cluster.start()
+        assert cluster.client_credentials[0] == "client"
+        for proc in cluster.procs.values():  # argv is world-readable: no password there
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+            assert not any(pw in cmdline for pw in cluster.passwords.values())
+        nc = await cluster.connect_client()
+        try:
+            first = await generate_retrying(nc, request)
+            assert len(first) == 4
+        finally:
+            await nc.close()
+        nc = await cluster.connect_client(tenant="a")  # publishes di.v1.generate.a, hears _INBOX.client-a.>
+        try:
+            assert (await generate(nc, request, tenant="a"))[0] == first
+        finally:
+            await nc.close()
+
+        monitor = await cluster.connect_as(nats_auth.MONITOR)
+        try:  # the write-back reached the tier (it pulled the worker's staged blocks); stats answer the monitor
+            for _ in range(40):
+                report = await collect(monitor, listen_s=1.2)
+                tier = (report["services"].get("cache-0") or {}).get("stats") or {}
+                if tier.get("announced_blocks"):
+                    break
+            else:
+                pytest.fail(f"the cache tier never stored the write-back: {report}")
+            assert {"router", "prefill-0", "decode-0", "cache-0"} <= set(report["services"])
+            assert all(s["stats"] is not None for s in report["services"].values())
+        finally:
+            await monitor.close()
+
+        cluster.kill("router")
+        cluster.respawn_router()
+        await cluster.wait_healthy(["router"], 60)
+        nc = await cluster.connect_client()
+        try:
+            assert await generate_retrying(nc, request) == first
+        finally:
+            await nc.close()
+    finally:
+        cluster.stop()
+    assert all(p.poll() is not None for p in cluster.procs.values()), "no orphan processes"
+    for name in cluster.procs:
+        log = cluster.log_tail(name, 1 << 20)
+        assert "NATS refused" not in log and "Authorization Violation" not in log, (name, log[-2000:])
+        assert not any(pw in log for pw in cluster.passwords.values()), name

@@ -20,6 +20,7 @@ import aiohttp
 from shared import protocol
 from shared.bus import connect
 from shared.client import generate_stream
+from shared.http_client import stream_events
 from shared.launcher import Cluster, ClusterSpec
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
@@ -46,20 +47,14 @@ async def http_pass(base, prompts, new_tokens, salt) -> tuple[float, list[float]
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(p):
-            body = {"prompt": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            body = {"prompt": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                     "stream_options": {"include_usage": True}, "cache_salt": salt, "timeout_s": 1800}
             first, n = None, 0
-            async with session.post(base + "/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-                async for line in resp.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if event["choices"] and first is None:
-                        first = time.perf_counter() - t0
-                    if event.get("usage"):
-                        n = event["usage"]["completion_tokens"]
+            async for event in stream_events(session, base + "/v1/completions", body):
+                if event["choices"] and first is None:
+                    first = time.perf_counter() - t0
+                if event.get("usage"):
+                    n = event["usage"]["completion_tokens"]
             return first, n
 
         t0 = time.perf_counter()

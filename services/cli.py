@@ -1,4 +1,5 @@
-"""The ``deepinfer`` command: the only module allowed to print (everything else logs).
+"""The ``deepinfer`` command: it and ``cli_up.py`` (``deepinfer up``) are the only modules allowed to print
+(everything else logs).
 
 Subcommands: ``generate`` (in-process engine, or ``--url`` a running cluster), ``demo`` (in-process, one chat
 request), ``up`` (embedded cluster: nats-server, router, cache tier, prefill and decode workers), ``serve
@@ -18,15 +19,15 @@ import importlib
 import json
 import os
 import logging
-import signal
 import sys
 import time
 import urllib.parse
 
 from tqdm import tqdm
 
+from services import cli_up
+from services.cli_up import DEMO_PROMPT
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
 from shared import nats_auth, protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig
@@ -34,7 +35,6 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError
 
-DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
@@ -86,9 +86,6 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_MESSAGES = [{"role": "user", "content": DEMO_PROMPT}]
-
-
 async def stream_to_terminal(url: str, request: protocol.GenerateRequest, user: str = "", password: str = "") -> dict:
     """Stream one request's text to stdout; a tenant's user (``client-<tenant>``) sends on its tenant subject."""
     nc = await connect(url, "deepinfer-cli", user=user, password=password)
@@ -107,59 +104,6 @@ async def stream_to_terminal(url: str, request: protocol.GenerateRequest, user: 
               f"(cached {usage.get('cached_tokens')}), ttft {usage.get('ttft_ms', 0):.0f} ms, "
               f"tpot {usage.get('tpot_ms', 0):.0f} ms]", file=sys.stderr)
     return usage
-
-
-async def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
-    cluster = Cluster(spec)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        print(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
-              f"(logs in {cluster.log_dir}) ...", flush=True)
-        await cluster.start()
-        print(f"deepinfer is up\n  NATS      {cluster.nats_url}\n  API       di.v1.generate (msgpack; see README)\n"
-              + _credential_lines(cluster)
-              + f"  try       deepinfer generate --url {cluster.client_url()} --chat \"Hello\"", flush=True)
-        if args.demo:
-            print(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
-            user, password = cluster.client_credentials
-            await stream_to_terminal(cluster.nats_url, protocol.GenerateRequest(
-                messages=DEMO_MESSAGES, max_tokens=64, temperature=0.0, timeout_s=120.0), user, password)
-        if not args.exit_after_demo:
-            print("serving; Ctrl-C stops everything", flush=True)
-            await stop.wait()
-    finally:
-        await asyncio.to_thread(cluster.stop)
-        print("stopped", flush=True)
-    return 0
-
-
-def _credential_lines(cluster: Cluster) -> str:
-    """The ``up`` banner's credential lines ("" without auth): passwords are fresh per run."""
-    if not cluster.passwords:
-        return ""
-    user, password = cluster.client_credentials
-    lines = [f"  client    user {user}, password {password}  ({cluster.client_url()})"]
-    lines += [f"  tenant    {t}: {cluster.client_url(tenant=t)}  (publishes di.v1.generate.{t})"
-              for t in cluster.spec.tenants]
-    lines.append(f"  status    deepinfer status --url {cluster.client_url(user='monitor')}")
-    return "\n".join(lines) + "\n"
-
-
-def run_up(args: argparse.Namespace) -> int:
-    try:  # auth: the embedded server only (a --nats server's users are not ours to make)
-        spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
-                           kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
-                           policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
-                           cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter,
-                           auth=not args.no_auth and not args.nats,
-                           tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
-    except ValueError as err:  # e.g. --tenants without auth, or a tenant name that cannot be a NATS user
-        print(f"deepinfer: error: {err}", file=sys.stderr)
-        return 2
-    return asyncio.run(_up(args, spec))
 
 
 def run_remote_generate(args: argparse.Namespace) -> int:
@@ -229,31 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="load the default model and answer one chat request in-process")
     _add_engine_args(demo)
 
-    up = sub.add_parser("up", help="start an embedded cluster: nats-server, router, prefill and decode workers")
-    up.add_argument("--prefill", type=int, default=1)
-    up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
-    up.add_argument("--model", default=None)
-    up.add_argument("--kv-cache-mb", type=int, default=256)
-    up.add_argument("--local-prefill-threshold", type=int, default=64)
-    up.add_argument("--policy", default="predictive",
-                    help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
-    up.add_argument("--ttft-slo", type=float, default=0.0, metavar="S",
-                    help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
-    up.add_argument("--cache-tier", type=int, default=1, metavar="N",
-                    help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
-    up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
-                    help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
-    up.add_argument("--draft", default="", metavar="N|local",
-                    help="speculative decoding: N draft services, or 'local' (a drafter inside each decode worker)")
-    up.add_argument("--drafter", default="prompt_lookup",
-                    help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
-    up.add_argument("--no-auth", action="store_true",
-                    help="start nats-server without users (default: one user per role, fresh passwords)")
-    up.add_argument("--tenants", default="", metavar="A,B",
-                    help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
-    up.add_argument("--demo", action="store_true", help="send one demo chat request once up")
-    up.add_argument("--exit-after-demo", action="store_true")
+    cli_up.add_parser(sub)
 
     from benchmarks import simulate_cmd, trace_bench
 
@@ -286,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_remote_generate(args) if args.url else run_generate(args)
         if args.command == "up":
-            return run_up(args)
+            return cli_up.run(args)
         if args.command == "serve":
             return run_serve(args, extra)
         if args.command == "status":

@@ -56,6 +56,7 @@ class ClusterSpec:
     draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
     drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path
     http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
+    api_keys: str = ""  # the router's API keys (``RouterConfig.api_keys``), passed in its environment only
     http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP
     metrics: bool = True  # every worker, tier and draft service serves Prometheus /metrics on a free port
     auth: bool = False  # NATS users and per-role permissions (embedded server only; see shared/nats_auth.py)
@@ -134,6 +135,9 @@ class Cluster:
         env = {**os.environ, **self.spec.extra_env, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         if self.passwords:  # the role's credentials, in the environment only (argv is world-readable)
             env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"] = self.credentials(role)
+        env.pop("DEEPINFER_API_KEYS", None)
+        if role == "router" and self.spec.api_keys:
+            env["DEEPINFER_API_KEYS"] = self.spec.api_keys
         log = open(self.log_dir / f"{name}.log", "wb")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())

@@ -110,7 +110,7 @@ class HttpApi:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body, content_type = self.router.render_metrics()
+        body, content_type = self.router.render_metrics(request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -154,6 +154,7 @@ class HttpApi:
             return None, None
         tenant = self.keys.tenant_of(request.headers.get("Authorization"))
         if tenant is None:
+            self.router.metrics.rejected("unauthorized")
             return None, _error(DeepinferError(ErrorCode.INVALID_REQUEST, "missing or unknown API key "
                                                "(Authorization: Bearer <key>)"), status=401)
         return tenant, None

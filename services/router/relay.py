@@ -65,8 +65,10 @@ class Relay:
     chunk, or raises the error that ends the stream (the caller publishes it as the final chunk)."""
 
     def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
-                 max_failovers: int, stall_probe_s: float = 2.0) -> None:
+                 max_failovers: int, stall_probe_s: float = 2.0,
+                 on_failover: Callable[[], None] = lambda: None) -> None:
         self.nc, self.placer, self.table = nc, placer, table
+        self.on_failover = on_failover
         self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
         self.stall_probe_s = stall_probe_s
 
@@ -80,6 +82,7 @@ class Relay:
                 if stream.ended or attempt >= self.max_failovers or stream.deadline <= time.monotonic():
                     raise
                 attempt += 1
+                self.on_failover()
                 stream.failed_workers.update(err.workers)
                 logger.warning("[%s] %s; re-placing with %d tokens delivered (failover %d)", stream.rid,
                                err.message, len(stream.delivered), attempt)

@@ -30,6 +30,7 @@ from shared.kv.store.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.wire_fields import MAX_ID_LEN
 from services.router.http_api import HttpApi
+from services.router.metrics import RouterMetrics
 from services.router.placement import Placer
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
@@ -61,14 +62,17 @@ class RouterService(Service):
         self.http: HttpApi | None = None
         self._draining = False
         self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
+        self.metrics = RouterMetrics(table=self.table)
         self.ledger = Ledger(Prices(cached_per_mtok=config.price_cached, uncached_per_mtok=config.price_uncached))
 
     async def start(self) -> None:
         c = self.config
         logger.info("starting %s with %s", c.worker_id, c)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
-        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed)
-        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s)
+        self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
+                                password=c.nats_password)
+        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
+                           on_failover=self.metrics.failover)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info)
@@ -168,12 +172,17 @@ class RouterService(Service):
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.relays:
             raise invalid(f"request id {rid!r} is already in flight")
+        if len(self.relays) >= self.config.max_inflight:
+            self.metrics.rejected("max_inflight")
+            await send(protocol.TokenChunk.from_error(rid, 0, DeepinferError(
+                ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")))
+            return
         self.relays[rid] = asyncio.current_task()
         self.owners[rid] = tenant
         stream = Stream(rid, send, 0, time.monotonic() + req.timeout_s)
+        self.metrics.request_started(api)
+        outcome = "finished"
         try:
-            if len(self.relays) > self.config.max_inflight:
-                raise DeepinferError(ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")
             self._check_model(req.model)
             req = dataclasses.replace(req, retention=self._retention(req), cache_salt=tenant_salt(req, tenant))
             prompt = await self._tokenize(req)
@@ -184,10 +193,17 @@ class RouterService(Service):
             err = exc if isinstance(exc, DeepinferError) else (
                 DeepinferError(ErrorCode.UNAVAILABLE, "router shutting down; retry") if self._draining
                 else DeepinferError(ErrorCode.CANCELLED, "cancelled"))
+            outcome = err.code.value
+            if err.code == ErrorCode.OVERLOADED:
+                self.metrics.rejected("predicted_ttft")
             await send(protocol.TokenChunk.from_error(rid, stream.next_seq, err))
         finally:
             self.relays.pop(rid, None)
             self.owners.pop(rid, None)
+            usage = stream.usage or {}
+            tpot = usage.get("tpot_ms")
+            self.metrics.request_finished(api, outcome, stream.ttft_s, tpot / 1000.0 if tpot else None,
+                                          time.monotonic() - stream.t0, stream.usage)
 
     def _retention(self, req: protocol.GenerateRequest) -> str:
         """The request's retention class: its own, else the deployment's default for its API."""
@@ -239,6 +255,10 @@ class RouterService(Service):
             if self.table.is_alive(wid) and not state.report.draining:
                 ready.setdefault(state.report.role, []).append(wid)
         return ready
+
+    def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
+        """The router's Prometheus scrape (``GET /metrics`` on the HTTP port)."""
+        return self.metrics.render(accept)
 
     def served_models(self) -> list[str]:
         return sorted({s.report.model_id for wid, s in self.table.workers.items()

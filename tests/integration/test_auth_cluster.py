@@ -15,9 +15,6 @@ from shared.launcher import Cluster, ClusterSpec
 from shared.status import collect
 from tests.model_factory import write_tiny_hf_folder
 
-ROUTER_SOURCE = Path(__file__).resolve().parents[2] / "services" / "router" / "service.py"
-pytestmark = pytest.mark.skipif("nats_user" not in ROUTER_SOURCE.read_text(),
-                                reason="the router does not pass its NATS credentials to connect yet")
 
 
 @pytest.fixture(scope="module")

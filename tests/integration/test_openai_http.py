@@ -7,6 +7,7 @@ import json
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.router.service import RouterService
 from shared import protocol
@@ -111,6 +112,14 @@ async def test_bad_input_gets_openai_errors_with_status(nats_server, folder):
         async with aiohttp.ClientSession() as session:
             async with session.get(base_url(cluster) + "/health") as resp:
                 assert resp.status == 200 and (await resp.json())["workers"]["decode"] == 1
+            async with session.get(base_url(cluster) + "/metrics") as resp:
+                assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+                samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                           for family in text_string_to_metric_families(await resp.text()) for s in family.samples}
+        assert samples[("deepinfer_router_requests_total", (("api", "http"), ("outcome", "timeout")))] == 1
+        assert samples[("deepinfer_router_rejected_total", (("reason", "unauthorized"),))] == 1
+        assert samples[("deepinfer_router_workers", (("role", "decode"), ("state", "alive")))] == 1
+        assert samples[("deepinfer_router_inflight", ())] == 0
 
 
 async def test_overloaded_is_429_with_retry_after(nats_server, folder):
@@ -175,3 +184,14 @@ async def test_no_workers_is_503(nats_server):
                 assert (await resp.json())["error"]["code"] == "unavailable"
     finally:
         await router.shutdown()
+
+
+async def test_up_demo_streams_through_the_http_api(nats_server, folder, capsys):
+    from services.cli_up import http_demo
+
+    async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0, "api_keys": KEYS}) as cluster:
+        usage = await http_demo(base_url(cluster), "key-acme-0001")
+        with pytest.raises(DeepinferError, match="401"):
+            await http_demo(base_url(cluster), "not-a-key-000")
+    assert usage["completion_tokens"] >= 1 and usage["prompt_tokens"] > 0
+    assert "via http://127.0.0.1:" in capsys.readouterr().err

@@ -222,7 +222,8 @@ def test_no_auth_cluster_has_no_credentials():
 
 
 def test_cli_auth_flags(monkeypatch):
-    from services.cli import build_parser, run_up
+    from services.cli import build_parser
+    from services.cli_up import run as run_up
 
     args = build_parser().parse_args(["up"])
     assert not args.no_auth and args.tenants == ""

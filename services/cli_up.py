@@ -1,0 +1,135 @@
+"""``deepinfer up``: an embedded cluster (nats-server with per-role users, router with the OpenAI HTTP API,
+cache tier, prefill and decode workers, optional draft services) in the foreground; Ctrl-C stops everything.
+Prints the HTTP and NATS endpoints and credentials; ``--demo`` streams one chat answer through the HTTP API."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import aiohttp
+
+from shared.http_client import stream_events
+from shared.launcher import Cluster, ClusterSpec
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."  # the in-process demo asks the same
+DEMO_MESSAGES = [{"role": "user", "content": DEMO_PROMPT}]
+
+
+def add_parser(sub) -> None:
+    up = sub.add_parser("up", help="start an embedded cluster: nats-server, router, prefill and decode workers")
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
+    up.add_argument("--model", default=None)
+    up.add_argument("--kv-cache-mb", type=int, default=256)
+    up.add_argument("--local-prefill-threshold", type=int, default=64)
+    up.add_argument("--policy", default="predictive",
+                    help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
+    up.add_argument("--ttft-slo", type=float, default=0.0, metavar="S",
+                    help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
+    up.add_argument("--cache-tier", type=int, default=1, metavar="N",
+                    help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
+    up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
+                    help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
+    up.add_argument("--draft", default="", metavar="N|local",
+                    help="speculative decoding: N draft services, or 'local' (a drafter inside each decode worker)")
+    up.add_argument("--drafter", default="prompt_lookup",
+                    help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
+    up.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address")
+    up.add_argument("--http-port", type=int, default=8000, help="its port (0 = any free port, -1 = no HTTP)")
+    up.add_argument("--api-keys", default=os.environ.get("DEEPINFER_API_KEYS", ""), metavar="KEY=TENANT,...|@FILE",
+                    help="HTTP calls need one of these keys; its tenant salts the cache (default: no keys)")
+    up.add_argument("--no-auth", action="store_true",
+                    help="start nats-server without users (default: one user per role, fresh passwords)")
+    up.add_argument("--tenants", default="", metavar="A,B",
+                    help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
+    up.add_argument("--demo", action="store_true", help="send one demo chat request through the HTTP API once up")
+    up.add_argument("--exit-after-demo", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:  # auth: the embedded server only (a --nats server's users are not ours to make)
+        spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
+                           kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
+                           policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
+                           cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter,
+                           http_host=args.http_host, http_port=args.http_port, api_keys=args.api_keys,
+                           auth=not args.no_auth and not args.nats,
+                           tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
+    except ValueError as err:  # e.g. --tenants without auth, or a tenant name that cannot be a NATS user
+        print(f"deepinfer: error: {err}", file=sys.stderr)
+        return 2
+    if args.demo and spec.http_port < 0:
+        print("deepinfer: error: --demo goes through the HTTP API: drop --http-port -1", file=sys.stderr)
+        return 2
+    return asyncio.run(_up(args, spec))
+
+
+async def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
+    cluster = Cluster(spec)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
+              f"(logs in {cluster.log_dir}) ...", flush=True)
+        await cluster.start()
+        print(banner(cluster), flush=True)
+        if args.demo:
+            print(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
+            await http_demo(cluster.http_url, first_key(spec.api_keys))
+        if not args.exit_after_demo:
+            print("serving; Ctrl-C stops everything", flush=True)
+            await stop.wait()
+    finally:
+        await asyncio.to_thread(cluster.stop)
+        print("stopped", flush=True)
+    return 0
+
+
+def banner(cluster: Cluster) -> str:
+    lines = ["deepinfer is up"]
+    if cluster.http_url:
+        lines += [f"  HTTP      {cluster.http_url}/v1   (OpenAI-compatible; /health, /metrics)",
+                  f"  try       curl {cluster.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+                  "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'"]
+    lines += [f"  NATS      {cluster.nats_url}   (di.v1.generate, msgpack; see README)"]
+    if cluster.passwords:
+        user, password = cluster.client_credentials
+        lines += [f"  client    user {user}, password {password}  ({cluster.client_url()})"]
+        lines += [f"  tenant    {t}: {cluster.client_url(tenant=t)}  (publishes di.v1.generate.{t})"
+                  for t in cluster.spec.tenants]
+        lines += [f"  status    deepinfer status --url {cluster.client_url(user='monitor')}"]
+    lines += [f"  metrics   {name}: http://127.0.0.1:{port}/metrics" for name, port in cluster.metrics_ports.items()]
+    lines += [f"  try       deepinfer generate --url {cluster.client_url()} --chat \"Hello\""]
+    return "\n".join(lines)
+
+
+def first_key(spec: str) -> str:
+    """The first API key of a ``--api-keys`` spec ("" when none), for the demo request."""
+    from services.router.api_keys import parse_api_keys
+
+    return next(iter(parse_api_keys(spec)), "")
+
+
+async def http_demo(base_url: str, api_key: str = "") -> dict:
+    """Stream one greedy chat answer through the OpenAI-compatible API to stdout; returns its usage. An error
+    raises ``DeepinferError`` (``deepinfer`` exits 2 with it)."""
+    body = {"messages": DEMO_MESSAGES, "max_tokens": 64, "temperature": 0, "timeout_s": 120,
+            "stream_options": {"include_usage": True}}
+    usage: dict = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        async for event in stream_events(session, base_url + "/v1/chat/completions", body, api_key):
+            for choice in event["choices"]:
+                sys.stdout.write(choice["delta"].get("content") or "")
+                sys.stdout.flush()
+            usage = event.get("usage") or usage
+    print()
+    if usage:
+        print(f"[{usage['completion_tokens']} tokens, prompt {usage['prompt_tokens']} "
+              f"(cached {usage['prompt_tokens_details']['cached_tokens']}) via {base_url}/v1]", file=sys.stderr)
+    return usage

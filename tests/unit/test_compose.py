@@ -4,7 +4,8 @@ No Docker engine is needed: ``docker-compose config`` validates and resolves the
 installs docker-compose), then each service's environment and flags go through the same ``load_config`` call
 as its ``services/<name>/__main__.py``. Invariants: every ``DEEPINFER_*`` variable is a config field, every
 flag parses, the config validates; each service logs in as its own NATS role with that role's password;
-scaled services (``--scale prefill=2``) name no container, publish no port and fix no worker id.
+scaled services (``--scale prefill=2``) name no container, publish no port and fix no worker id; the nats
+container gets every user's password (the roles and ``monitor``), and compose refuses to start without any one.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 ENV_EXAMPLE = COMPOSE / ".env.example"
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
+USERS = (*ROLES, "monitor")  # nats.conf's users: the roles and the read-only monitor (deepinfer status)
+PASSWORD_VARS = tuple(f"NATS_PASSWORD_{u.upper().replace('-', '_')}" for u in USERS)
 # The module a service runs -> its config class and what its __main__ fixes (shared.worker.main_for: role).
 CONFIGS = {
     "services.router": (RouterConfig, {}),
@@ -128,9 +131,9 @@ def test_every_service_is_present_and_runs_through_the_image_entrypoint(resolved
 def test_configs_validate_and_name_their_own_nats_role(resolved, configs):
     passwords = read_env_file(ENV_EXAMPLE)
     nats_env = environment(resolved["services"]["nats"])
-    for role in ROLES:  # nats.conf reads every role's password from the nats container's environment
-        key = f"NATS_PASSWORD_{role.upper().replace('-', '_')}"
+    for key in PASSWORD_VARS:  # nats.conf reads every user's password from the nats container's environment
         assert passwords[key] and nats_env[key] == passwords[key], key
+    assert {k for k in nats_env if k.startswith("NATS_PASSWORD_")} == set(PASSWORD_VARS)
     users = {name: c.nats_user for name, c in configs.items()}
     assert users == {"router": "router", "prefill": "prefill", "decode": "decode", "cache-tier": "cache-tier",
                      "draft": "draft"}
@@ -192,8 +195,8 @@ def test_nats_conf_matches_the_compose_file():
     if not path.exists():
         pytest.skip("compose/nats.conf is not generated yet (shared/nats_auth.py)")
     text = path.read_text()
-    for role in ROLES:
-        assert f"$NATS_PASSWORD_{role.upper().replace('-', '_')}" in text, role
+    assert re.findall(r'user: "([^"]+)"', text) == list(USERS)
+    assert re.findall(r"password: \$(\w+)", text) == list(PASSWORD_VARS)
     assert "/data/jetstream" in text and "8222" in text  # the nats-data volume; the health check's port
 
 
@@ -201,9 +204,20 @@ def test_passwords_are_required(tmp_path):
     """No default password: every reference is ``${NATS_PASSWORD_<ROLE>:?message}``, and compose refuses to run
     without them."""
     references = re.findall(r"\$\{(NATS_PASSWORD_[A-Z_]+)(:\?)?", (COMPOSE / "docker-compose.yml").read_text())
-    assert {name for name, _ in references} == {f"NATS_PASSWORD_{r.upper().replace('-', '_')}" for r in ROLES}
+    assert {name for name, _ in references} == set(PASSWORD_VARS)
     assert all(required for _, required in references), references
     empty = tmp_path / "empty.env"
     empty.write_text("")
     proc = run_config(FILE_SETS["cpu"], empty)
     assert proc.returncode != 0 and "NATS_PASSWORD_" in proc.stderr
+
+
+@pytest.mark.parametrize("missing", PASSWORD_VARS)
+def test_each_password_is_required(tmp_path, missing):
+    """.env.example less any one password (the monitor's too: ``deepinfer status`` logs in as it): compose
+    refuses to run."""
+    env = {k: v for k, v in read_env_file(ENV_EXAMPLE).items() if k != missing}
+    env_file = tmp_path / "partial.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    proc = run_config(FILE_SETS["cpu"], env_file)
+    assert proc.returncode != 0 and missing in proc.stderr, proc.stderr

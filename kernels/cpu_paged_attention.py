@@ -6,13 +6,19 @@ block table, one (sequence, kv-head) task per thread, and touches only the token
 
 Same signature and semantics as ``paged_decode_attention_reference`` (kernels/paged_attention.py).
 If the extension cannot be built (no compiler), ``load()`` returns ``None`` and callers use the reference.
+
+It is compiled with ``-march=native``, so a build runs only on CPUs with the instruction sets of the one that
+built it: the module's name (``module_name()``) carries ``host_isa_key()``, and a CPU with other instruction
+sets (an image built on an AVX-512 host, run on an AVX2 one) builds and loads its own copy.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -105,12 +111,45 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 # (all 64 bench sequences then equal HF's; with it one fp32 near-tie, top-2 margin 3e-5, flips).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
            "-fopenmp"]
-# The module name carries a digest of everything that shapes the binary, so a built file is never stale.
-_NAME = "deepinfer_cpu_attention_" + hashlib.sha256(
-    "\0".join([_SOURCE, *_CFLAGS, torch.__version__]).encode()).hexdigest()[:12]
+# A digest of what shapes the binary on every CPU; module_name() adds the CPU's instruction sets.
+_BUILD_DIGEST = hashlib.sha256("\0".join([_SOURCE, *_CFLAGS, torch.__version__]).encode()).hexdigest()[:12]
+# /proc/cpuinfo fields listing a core's instruction-set extensions: x86; arm64 and s390; riscv.
+_ISA_FIELDS = ("flags", "features", "isa")
 
 _module = None
 _tried = False
+
+
+def isa_key(cpuinfo: str, machine: str) -> str:
+    """12 hex digits naming the instruction sets that ``cpuinfo`` (``/proc/cpuinfo``'s text) lists for
+    ``machine`` (``platform.machine()``): a digest of every core's ``flags`` / ``Features`` / ``isa`` line.
+
+    Same flags give the same key, in any order and for any number of cores; one flag more or less gives
+    another key. Every flag counts, not only the ones ``-march=native`` acts on: a needless rebuild costs a
+    minute, loading a build for another CPU an illegal instruction. Without such a line the key is
+    ``machine``'s alone.
+    """
+    lines = set()
+    for line in cpuinfo.splitlines():
+        field, sep, value = line.partition(":")
+        if sep and field.strip().lower() in _ISA_FIELDS:
+            lines.add(" ".join(sorted(set(value.split()))))
+    return hashlib.sha256("\n".join([machine, *sorted(lines)]).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def host_isa_key() -> str:
+    """``isa_key`` of this machine: ``/proc/cpuinfo`` on Linux; elsewhere (no such file) the architecture and
+    ``platform.processor()``, which tell fewer CPUs apart."""
+    try:
+        return isa_key(Path("/proc/cpuinfo").read_text(errors="replace"), platform.machine())
+    except OSError:  # not Linux
+        return isa_key("", f"{platform.machine()} {platform.processor()}")
+
+
+def module_name() -> str:
+    """The extension's module (and ``.so``) name: source, flags and torch digest, then this CPU's ISA key."""
+    return f"deepinfer_cpu_attention_{_BUILD_DIGEST}_{host_isa_key()}"
 
 
 def build_dir() -> Path:
@@ -121,7 +160,7 @@ def build_dir() -> Path:
 
 
 def _import_built(path: Path):
-    spec = importlib.util.spec_from_file_location(_NAME, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -140,14 +179,16 @@ def load():
     _tried = True
     if os.environ.get("DEEPINFER_DISABLE_CPP_KERNELS") == "1":
         return None
-    built = build_dir() / f"{_NAME}.so"
+    name = module_name()
+    built = build_dir() / f"{name}.so"
     try:
         if built.exists():
             _module = _import_built(built)
         else:
             from torch.utils.cpp_extension import load_inline
 
-            _module = load_inline(name=_NAME, cpp_sources=[_SOURCE], functions=["paged_decode"],
+            logger.info("building the CPU attention extension %s for this CPU (~1 min)", name)
+            _module = load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode"],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir()), verbose=False)
     except Exception as err:  # no compiler / headers: fall back to the torch reference

@@ -6,11 +6,16 @@ The prompt set is the one behind ``../shared/PEERS.md`` (vLLM-CPU ≈85 tok/s, H
 
     python benchmarks/engine_throughput.py                 # full set, HF batch 16
     python benchmarks/engine_throughput.py --limit 16      # quicker
-    python benchmarks/engine_throughput.py --profile       # where deepinfer's time goes
+    python benchmarks/engine_throughput.py --profile       # cProfile of deepinfer's Python
+    python benchmarks/engine_throughput.py --skip-hf --breakdown --prompt-set shared-prefix --block-size 32
+        # wall time by category (linear, attention, sampling, scheduling, Python), the variant with a shared
+        # 1,002-token system block, another KV block size; --expect-ids FILE checks greedy agreement with
+        # another engine's outputs (benchmarks/vllm_compare.py writes vLLM's)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import logging
@@ -27,10 +32,25 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model_files
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
+SYSTEM_TOKENS = 1002  # the shared-prefix variant: one system block of this many tokens before every prompt
 log = logging.getLogger("bench")
 
 
-def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, profile: bool):
+def load_prompt_set(name: str, limit: int) -> list[list[int]]:
+    """``distinct``: the set's prompts (token ids, as vLLM and HF consumed them). ``shared-prefix``: the same
+    prompts behind one ``SYSTEM_TOKENS``-token block (the set's other prompts' tokens, fixed), so every prompt
+    after the first can reuse the block from the prefix cache."""
+    data = json.loads(PROMPTS.read_text())["prompts"]
+    prompts = [p["token_ids"] for p in data[:limit]]
+    if name == "distinct":
+        return prompts
+    pool = [t for p in reversed(data) for t in p["token_ids"]]
+    system = pool[:SYSTEM_TOKENS]
+    return [system + p for p in prompts]
+
+
+def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, profile: bool, breakdown: bool = False):
+    from benchmarks import engine_profile
     from shared.model.llama import LlamaModel
 
     model = LlamaModel(config, weights, torch.float32, torch.device("cpu"))
@@ -39,13 +59,16 @@ def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, p
     # be sampled and carry on after it, a different sequence wherever EOS is the argmax)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     profiler = cProfile.Profile() if profile else None
-    t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    outputs = engine.generate(prompts, params)
+    with engine_profile.instrument(engine) if breakdown else contextlib.nullcontext() as timing:
+        t0 = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
     if profiler:
         profiler.disable()
-    wall = time.perf_counter() - t0
+    if timing is not None:
+        print(engine_profile.format_report(timing.report(wall), wall))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     return outputs, wall, engine.block_manager.num_hit_tokens
@@ -85,6 +108,11 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--max-batched-tokens", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt-set", default="distinct", choices=["distinct", "shared-prefix"])
+    ap.add_argument("--breakdown", action="store_true", help="wall time by category (benchmarks/engine_profile.py)")
+    ap.add_argument("--expect-ids", type=Path, default=None,
+                    help="JSON list of another engine's output ids: report greedy agreement")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     threads = len(os.sched_getaffinity(0))
@@ -93,17 +121,23 @@ def main() -> None:
     config, weights, tokenizer = load_model_files(None)
     # The set's own token ids (what vLLM and HF consumed); our tokenizer splits digits like SmolLM2's
     # tokenizer.json, while the set was tokenized by transformers' GGUF conversion, which does not.
-    prompts = [p["token_ids"] for p in data["prompts"][:args.limit]]
+    prompts = load_prompt_set(args.prompt_set, args.limit)
     retokenized = sum(tokenizer.encode(p["text"]) != p["token_ids"] for p in data["prompts"][:args.limit])
     log.info("%d prompts, %d prompt tokens (%d tokenize differently with our tokenizer), %d threads",
              len(prompts), sum(map(len, prompts)), retokenized, threads)
-    engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype="float32", device="cpu")
+    engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype="float32", device="cpu",
+                              block_size=args.block_size)
     ours, wall, hits = run_deepinfer(config, weights, tokenizer, prompts, args.new_tokens, engine_cfg,
-                                     args.profile)
+                                     args.profile, args.breakdown)
     n_out = sum(map(len, ours))
     ours_tps = n_out / wall
     print(f"deepinfer engine : {n_out} tokens in {wall:7.1f} s = {ours_tps:6.1f} tok/s "
-          f"(prefix-cache hit tokens {hits})")
+          f"(prefix-cache hit tokens {hits}; {args.prompt_set}, block {args.block_size}, "
+          f"batched tokens {args.max_batched_tokens})")
+    if args.expect_ids is not None:
+        theirs = json.loads(args.expect_ids.read_text())
+        same = sum(a == b for a, b in zip(ours, theirs))
+        print(f"greedy agreement with {args.expect_ids.name}: {same}/{len(ours)} identical sequences")
     if args.skip_hf:
         return
     theirs, hf_wall = run_hf(config, weights, prompts, args.new_tokens, args.hf_batch)

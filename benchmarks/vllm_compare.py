@@ -1,0 +1,85 @@
+"""Optional side-by-side with vLLM-CPU on the engine prompt set (vLLM is never a dependency of deepinfer).
+
+Two steps, two interpreters:
+
+    .venv/bin/python -m benchmarks.vllm_compare prepare --out /tmp/vllm-cmp      # HF folder + both prompt sets
+    /tmp/vllm-venv/bin/python benchmarks/vllm_compare.py run --out /tmp/vllm-cmp --set distinct   # in vLLM's venv
+    .venv/bin/python -m benchmarks.engine_throughput --skip-hf --prompt-set shared-prefix \\
+        --expect-ids /tmp/vllm-cmp/vllm-shared-prefix.json                        # ours, with greedy agreement
+
+``prepare`` writes the default model as an HF folder (vLLM cannot read the GGUF), ``distinct.json`` (the 64
+prompts' token ids) and ``shared-prefix.json`` (the same prompts behind one ``SYSTEM_TOKENS``-token system
+block, ``engine_throughput.shared_prefix_prompts``). ``run`` imports only vLLM: offline ``LLM`` with
+``TokensPrompt``, greedy, 64 new tokens, EOS ignored, all prompts at once, start-up excluded; it prints out tok/s
+and writes every output's token ids for the agreement check. Settings follow ../shared/PEERS.md
+(``VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-<n-1> VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def prepare(out: Path) -> None:
+    from benchmarks.engine_throughput import load_prompt_set
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model.locate import default_model_path
+
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = default_model_path()
+    hf = out / "hf"
+    if not (hf / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.save_pretrained(hf)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf)
+    for name in ("distinct", "shared-prefix"):
+        (out / f"{name}.json").write_text(json.dumps(load_prompt_set(name, 64)))
+    print(f"prepared {hf} and the prompt sets in {out}")
+
+
+def run(out: Path, name: str, new_tokens: int) -> None:
+    threads = len(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads((out / f"{name}.json").read_text())
+    t_start = time.perf_counter()
+    llm = LLM(model=str(out / "hf"), dtype="float32", enable_prefix_caching=True, max_model_len=2048)
+    startup = time.perf_counter() - t_start
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    wall = time.perf_counter() - t0
+    ids = [list(r.outputs[0].token_ids) for r in results]
+    n_out = sum(map(len, ids))
+    cached = sum(r.num_cached_tokens or 0 for r in results)
+    (out / f"vllm-{name}.json").write_text(json.dumps(ids))
+    print(f"vLLM {name}: {n_out} tokens in {wall:.1f} s = {n_out / wall:.1f} out tok/s (start-up {startup:.0f} s, "
+          f"prompt tokens from cache {cached})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/vllm-cmp"))
+    ap.add_argument("--set", default="distinct", choices=["distinct", "shared-prefix"])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    if args.step == "prepare":
+        prepare(args.out)
+    else:
+        run(args.out, args.set, args.new_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,11 @@
 the same prompts, all submitted at once. Prints output tokens/s, TTFT p50/p99 for both, and their ratios.
 
     python benchmarks/e2e_services.py --limit 16 --new-tokens 32 [--mode remote|local] [--transport shm]
+    python benchmarks/e2e_services.py --prefill 0     # equal cores: one aggregated worker with every core
+    taskset -c 0 python benchmarks/e2e_services.py --prefill 0   # 1 core vs 1 core (router and NATS share it)
+
+With the default split (1 prefill + 1 decode worker) each engine process gets half the cores, while the
+in-process engine gets them all: that figure measures the core split as much as the served path's cost.
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -42,8 +48,9 @@ def in_process(prompts, new_tokens) -> tuple[float, list[float], int]:
     return time.perf_counter() - t0, [ttft[i] for i in ids], n_out
 
 
-async def through_services(prompts, new_tokens, mode, transport) -> tuple[float, list[float], int]:
-    cluster = Cluster(ClusterSpec(prefill=1, decode=1, kv_cache_mb=512, local_prefill_threshold=0))
+async def through_services(prompts, new_tokens, mode, transport, prefill: int = 1) -> tuple[float, list[float], int]:
+    cluster = Cluster(ClusterSpec(prefill=prefill, decode=1, kv_cache_mb=512, local_prefill_threshold=0,
+                                  cache_tier=0, metrics=False, http_port=-1))
     await cluster.start()
     try:
         nc = await connect(cluster.nats_url, "bench")
@@ -74,12 +81,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--mode", default="remote", choices=["remote", "local"])
     ap.add_argument("--transport", default="shm")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (0: one aggregated decode worker "
+                    "with every core, prefilling locally)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     prompts = [p["token_ids"] for p in json.loads(PROMPTS.read_text())["prompts"][:args.limit]]
-    svc_wall, svc_ttft, svc_out = asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport))
+    if args.prefill == 0:
+        args.mode = "local"
+    svc_wall, svc_ttft, svc_out = asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport,
+                                                               args.prefill))
     eng_wall, eng_ttft, eng_out = in_process(prompts, args.new_tokens)
-    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each")
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each, "
+          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker")
     for name, wall, ttft, n in (("in-process engine", eng_wall, eng_ttft, eng_out),
                                 (f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})",
                                  svc_wall, svc_ttft, svc_out)):

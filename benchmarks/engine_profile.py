@@ -1,4 +1,5 @@
-"""Where an engine run's wall time goes: linear layers (LM head apart), attention (KV writes apart), the rest of
+"""Where an engine run's wall time goes: linear layers (LM head apart), attention (decode rows through the paged
+kernel, prefill chunks, KV writes), the rest of
 the forward pass (embedding, norms, RoPE, activations), sampling, scheduling, batch preparation, and what is
 left: Python work in the engine loop (outputs, detokenization, stop rules, block bookkeeping).
 
@@ -16,8 +17,8 @@ import shared.engine.model_runner as runner_mod
 import shared.model.attention as attention_mod
 import shared.model.llama as llama_mod
 
-CATEGORIES = ("linear", "lm_head", "attention", "kv_write", "forward_other", "sample", "schedule", "prepare",
-              "engine_python")
+CATEGORIES = ("linear", "lm_head", "decode_attention", "prefill_attention", "kv_write", "forward_other", "sample",
+              "schedule", "prepare", "engine_python")
 
 
 class Breakdown:
@@ -39,10 +40,11 @@ class Breakdown:
         """Exclusive seconds per category (nested ones subtracted from their parents)."""
         s = self.seconds
         linear = s["linear"] - s["lm_head"]
-        attention = s["attention"] - s["kv_write"]
+        prefill_attention = s["attention"] - s["kv_write"] - s["decode_attention"]
         forward_other = s["forward"] - s["linear"] - s["attention"]
         inner = s["forward"] + s["sample"] + s["schedule"] + s["prepare"]
-        return {"linear": linear, "lm_head": s["lm_head"], "attention": attention, "kv_write": s["kv_write"],
+        return {"linear": linear, "lm_head": s["lm_head"], "decode_attention": s["decode_attention"],
+                "prefill_attention": prefill_attention, "kv_write": s["kv_write"],
                 "forward_other": forward_other, "sample": s["sample"], "schedule": s["schedule"],
                 "prepare": s["prepare"], "engine_python": wall - inner}
 
@@ -63,6 +65,8 @@ def instrument(engine):
     patches = [(llama_mod, "linear", b.timed("linear", linear)),
                (llama_mod, "attend", b.timed("attention", llama_mod.attend)),
                (attention_mod, "store_kv", b.timed("kv_write", attention_mod.store_kv)),
+               (attention_mod, "paged_decode_attention", b.timed("decode_attention",
+                                                                 attention_mod.paged_decode_attention)),
                (runner_mod, "sample", b.timed("sample", runner_mod.sample)),
                (model, "forward", b.timed("forward", model.forward)),
                (runner, "_prepare", b.timed("prepare", runner._prepare)),

@@ -25,17 +25,31 @@ from pathlib import Path
 
 
 def prepare(out: Path) -> None:
-    from benchmarks.engine_throughput import load_prompt_set
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
+    from benchmarks.engine_throughput import load_prompt_set
+    from shared.model.loader import load_model_files
     from shared.model.locate import default_model_path
 
     out.mkdir(parents=True, exist_ok=True)
     gguf = default_model_path()
     hf = out / "hf"
-    if not (hf / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model.save_pretrained(hf)
+    if not (hf / "config.json").exists():  # our loader's float32 weights (HF names) + a Llama config.json
+        config, weights, _ = load_model_files(gguf)
+        hf.mkdir(parents=True, exist_ok=True)
+        if config.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(hf / "model.safetensors"))
+        (hf / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+            "max_position_embeddings": config.max_position_embeddings, "hidden_act": "silu",
+            "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+            "eos_token_id": list(config.eos_token_ids), "torch_dtype": "float32"}, indent=1))
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf)
     for name in ("distinct", "shared-prefix"):
         (out / f"{name}.json").write_text(json.dumps(load_prompt_set(name, 64)))

@@ -1,4 +1,5 @@
-"""Router: the NATS request API ``di.v1.generate``.
+"""Router: the NATS request API ``di.v1.generate`` (and ``di.v1.generate.<tenant>``) and, through the same
+``serve`` path, the OpenAI-compatible HTTP API (``services/router/http_api.py``) with ``GET /metrics``.
 
 Validates and tokenizes each request, admits it (at most ``max_inflight`` concurrent streams; the policy
 rejects with ``overloaded`` when the predicted TTFT misses ``ttft_slo_s``), and serves it through ``Relay``
@@ -7,7 +8,9 @@ rejects with ``overloaded`` when the predicted TTFT misses ``ttft_slo_s``), and 
 prunes both: a worker silent past the table's ``forget_after_s`` is dropped, and index entries of workers
 that are dead or never heartbeated are dropped after a sweep interval. Every reply on the client's subject is a
 ``TokenChunk``; the last one has ``final=True`` and either usage or an error. Undecodable requests get an
-``ErrorReply``. A client cancel (``di.v1.cancel``) stops the stream and its workers.
+``ErrorReply``. A client cancel (``di.v1.cancel``) stops the stream and its workers; a tenant's cancel
+(``di.v1.cancel.<tenant>``) stops only that tenant's streams. An authenticated tenant's requests run under the
+cache salt ``t/<tenant>`` (``tenant_salt``), a prefix nobody else may claim.
 
 Drain (SIGTERM): leave the ``routers`` queue group (other routers take new requests), let relayed streams
 finish for ``drain_grace_s``, end the rest with ``unavailable``, then drain NATS.

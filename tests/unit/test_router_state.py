@@ -152,3 +152,29 @@ def test_tier_pull_cost_is_what_the_workers_measured():
     states = list(table.workers.values())
     assert placer.tier_cost(states[:1]).block_transfer_s == 1e-3
     assert placer.tier_cost(states).block_transfer_s == pytest.approx(3e-4)
+
+
+async def test_a_cancel_reaches_only_requests_of_its_namespace():
+    import asyncio
+    from types import SimpleNamespace
+
+    from shared import subjects
+
+    router = RouterService(RouterConfig())
+    tasks = {rid: asyncio.create_task(asyncio.sleep(30)) for rid in ("plain", "acme-req", "beta-req")}
+    router.relays.update(tasks)
+    router.owners.update({"plain": None, "acme-req": "acme", "beta-req": "beta"})
+
+    async def cancel(subject: str, rid: str) -> None:
+        await router.on_cancel(SimpleNamespace(subject=subject, data=protocol.encode(
+            protocol.CancelRequest(request_id=rid))))
+        await asyncio.sleep(0)
+
+    await cancel(subjects.cancel_as("beta"), "acme-req")  # another tenant's request: untouched
+    await cancel(subjects.CANCEL, "beta-req")  # the plain API cannot reach a tenant's request
+    await cancel(subjects.cancel_as("acme"), "plain")
+    assert not any(t.cancelled() for t in tasks.values())
+    await cancel(subjects.cancel_as("acme"), "acme-req")
+    await cancel(subjects.CANCEL, "plain")
+    assert tasks["acme-req"].cancelled() and tasks["plain"].cancelled() and not tasks["beta-req"].cancelled()
+    tasks["beta-req"].cancel()

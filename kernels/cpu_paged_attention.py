@@ -29,7 +29,38 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+// exp(x) for the softmax (x <= 0): Cephes' expf polynomial after an exact two-constant ln2 reduction, 2^n built
+// from the exponent bits. Branch- and call-free, so the softmax loop vectorises (scalar expf calls were the
+// largest part of decode attention over long contexts); relative error ~2 ulp. x below -87 gives ~1e-38
+// (expf: a denormal or 0): weights that small vanish in the sum either way.
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+template <typename A>
+static inline A softmax_exp(A x) {
+  if constexpr (std::is_same_v<A, float>) return exp_nonpositive(x);
+  else return std::exp(x);  // float64 (exactness runs): the libm exp
+}
 
 template <typename T, typename A, int DC>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens, T* out,
@@ -47,33 +78,46 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* b
       scores.assign(G * n, A(0));
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = A(q[(b * H + kh * G + g) * D + d]) * scale;
-      for (int64_t t = first; t < ctx; ++t) {
-        const T* k = kc + int64_t(bt[b * MB + t / BS]) * s0 + (t % BS) * s1 + kh * s2;
+      // block by block (no per-token division); within a block, one head's query stays in registers
+      for (int64_t blk = first / BS; blk * BS < ctx; ++blk) {
+        const T* kb = kc + int64_t(bt[b * MB + blk]) * s0 + kh * s2;
+        const int64_t t0 = std::max(first, blk * BS), t1 = std::min(ctx, (blk + 1) * BS);
         for (int64_t g = 0; g < G; ++g) {
-          A s = 0;
           const A* qg = &qf[g * D];
+          A* sg = &scores[g * n];
+          for (int64_t t = t0; t < t1; ++t) {
+            const T* k = kb + (t - blk * BS) * s1;
+            A s = 0;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * A(k[d]);
-          scores[g * n + (t - first)] = s;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * A(k[d]);
+            sg[t - first] = s;
+          }
         }
       }
       std::fill(acc.begin(), acc.end(), A(0));
       for (int64_t g = 0; g < G; ++g) {
         A* sg = &scores[g * n];
         A m = sg[0];
+#pragma omp simd reduction(max : m)
         for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
         A sum = 0;
-        for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) { sg[i] = softmax_exp(sg[i] - m); sum += sg[i]; }
         const A inv = A(1) / sum;
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
-      for (int64_t t = first; t < ctx; ++t) {
-        const T* v = vc + int64_t(bt[b * MB + t / BS]) * s0 + (t % BS) * s1 + kh * s2;
+      for (int64_t blk = first / BS; blk * BS < ctx; ++blk) {
+        const T* vb = vc + int64_t(bt[b * MB + blk]) * s0 + kh * s2;
+        const int64_t t0 = std::max(first, blk * BS), t1 = std::min(ctx, (blk + 1) * BS);
         for (int64_t g = 0; g < G; ++g) {
-          const A p = scores[g * n + (t - first)];
+          const A* pg = &scores[g * n];
           A* ag = &acc[g * D];
+          for (int64_t t = t0; t < t1; ++t) {
+            const T* v = vb + (t - blk * BS) * s1;
+            const A p = pg[t - first];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * A(v[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * A(v[d]);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)

@@ -243,3 +243,14 @@ async def test_text_is_the_same_whether_prefill_is_remote_or_local(nats_server, 
         tokenizer = cluster.router.tokenizer
     (ids, text, _), (local_ids, local_text, _) = outs["remote"], outs["local"]
     assert ids == local_ids and text == local_text == tokenizer.decode(ids)
+
+
+async def test_aggregated_worker_alone_serves_long_prompts_in_auto_mode(nats_server, folder, prompts_and_reference):
+    """``deepinfer up --prefill 0``: no prefill worker at all; prompts over the local-prefill threshold still
+    prefill on the decode worker (auto mode), with the reference tokens."""
+    prompts, expected = prompts_and_reference
+    long_ones = [i for i, p in enumerate(prompts) if len(p) > 40][:3]
+    async with InProcessCluster(nats_server.url, folder, prefill=0, local_prefill_threshold=8):
+        for i in long_ones:
+            ids, _, usage = await generate_once(nats_server.url, request(prompts[i]))
+            assert ids == expected[i]

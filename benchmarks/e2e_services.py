@@ -35,6 +35,21 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+async def nats_pass(nc, requests: list[protocol.GenerateRequest]) -> tuple[float, list[float], int]:
+    """Send every request at once and stream them: ``(wall seconds, TTFT of each, output tokens)``."""
+    async def one(req):
+        first, n = None, 0
+        async for chunk in generate_stream(nc, req):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - t0
+            n += len(chunk.token_ids)
+        return first, n
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(r) for r in requests))
+    return time.perf_counter() - t0, [r[0] for r in results], sum(r[1] for r in results)
+
+
 def in_process(prompts, new_tokens) -> tuple[float, list[float], int]:
     engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -55,22 +70,12 @@ async def through_services(prompts, new_tokens, mode, transport, prefill: int = 
     try:
         nc = await connect(cluster.nats_url, "bench")
 
-        async def one(i, p):
-            req = protocol.GenerateRequest(request_id=f"b{i}", prompt_token_ids=p, max_tokens=new_tokens,
-                                           temperature=0.0, ignore_eos=True, timeout_s=1800,
-                                           prefill_mode=mode, transport=transport if mode == "remote" else "")
-            first, n = None, 0
-            async for chunk in generate_stream(nc, req):
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter() - t0
-                n += len(chunk.token_ids)
-            return first, n
-
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - t0
+        wall, ttft, n_out = await nats_pass(nc, [protocol.GenerateRequest(
+            request_id=f"b{i}", prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+            timeout_s=1800, prefill_mode=mode, transport=transport if mode == "remote" else "")
+            for i, p in enumerate(prompts)])
         await nc.close()
-        return wall, [r[0] for r in results], sum(r[1] for r in results)
+        return wall, ttft, n_out
     finally:
         await asyncio.to_thread(cluster.stop)
 

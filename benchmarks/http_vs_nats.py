@@ -19,7 +19,7 @@ import aiohttp
 
 from shared import protocol
 from shared.bus import connect
-from shared.client import generate_stream
+from benchmarks.e2e_services import nats_pass
 from shared.http_client import stream_events
 from shared.launcher import Cluster, ClusterSpec
 
@@ -27,20 +27,10 @@ PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
 logger = logging.getLogger("bench.http_vs_nats")
 
 
-async def nats_pass(nc, prompts, new_tokens, salt) -> tuple[float, list[float], int]:
-    async def one(i, p):
-        req = protocol.GenerateRequest(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0,
-                                       ignore_eos=True, timeout_s=1800, cache_salt=salt)
-        first, n = None, 0
-        async for chunk in generate_stream(nc, req):
-            if first is None and chunk.token_ids:
-                first = time.perf_counter() - t0
-            n += len(chunk.token_ids)
-        return first, n
-
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return time.perf_counter() - t0, [r[0] for r in results], sum(r[1] for r in results)
+async def salted_nats_pass(nc, prompts, new_tokens, salt) -> tuple[float, list[float], int]:
+    requests = [protocol.GenerateRequest(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                         timeout_s=1800, cache_salt=salt) for p in prompts]
+    return await nats_pass(nc, requests)
 
 
 async def http_pass(base, prompts, new_tokens, salt) -> tuple[float, list[float], int]:
@@ -68,9 +58,9 @@ async def run(prompts, new_tokens, rounds) -> dict[str, list[tuple[float, list[f
     out: dict[str, list] = {"nats": [], "http": []}
     try:
         nc = await connect(cluster.nats_url, "bench")
-        await nats_pass(nc, prompts[:2], 4, "warm-up")  # first-call costs (kernels, tokenizer) out of the way
+        await salted_nats_pass(nc, prompts[:2], 4, "warm-up")  # first-call costs (kernels, tokenizer) out of the way
         for r in range(rounds):
-            out["nats"].append(await nats_pass(nc, prompts, new_tokens, f"nats-{r}"))
+            out["nats"].append(await salted_nats_pass(nc, prompts, new_tokens, f"nats-{r}"))
             out["http"].append(await http_pass(cluster.http_url, prompts, new_tokens, f"http-{r}"))
         await nc.close()
     finally:

@@ -1,5 +1,5 @@
-"""The ``deepinfer`` command: it and ``cli_up.py`` (``deepinfer up``) are the only modules allowed to print
-(everything else logs).
+"""The ``deepinfer`` command: the only module allowed to print (everything else logs; subcommands that live
+elsewhere, ``up`` in ``cli_up.py`` among them, get ``print`` passed in).
 
 Subcommands: ``generate`` (in-process engine, or ``--url`` a running cluster), ``demo`` (in-process, one chat
 request), ``up`` (embedded cluster: nats-server, router, cache tier, prefill and decode workers), ``serve
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_remote_generate(args) if args.url else run_generate(args)
         if args.command == "up":
-            return cli_up.run(args)
+            return cli_up.run(args, print)
         if args.command == "serve":
             return run_serve(args, extra)
         if args.command == "status":

@@ -4,6 +4,7 @@ Prints the HTTP and NATS endpoints and credentials; ``--demo`` streams one chat 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import asyncio
 import os
 import signal
@@ -50,7 +51,8 @@ def add_parser(sub) -> None:
     up.add_argument("--exit-after-demo", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
+    """``deepinfer up``; everything shown goes through ``emit`` (``print``'s signature)."""
     try:  # auth: the embedded server only (a --nats server's users are not ours to make)
         spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                            kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
@@ -60,34 +62,34 @@ def run(args: argparse.Namespace) -> int:
                            auth=not args.no_auth and not args.nats,
                            tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
     except ValueError as err:  # e.g. --tenants without auth, or a tenant name that cannot be a NATS user
-        print(f"deepinfer: error: {err}", file=sys.stderr)
+        emit(f"deepinfer: error: {err}", file=sys.stderr)
         return 2
     if args.demo and spec.http_port < 0:
-        print("deepinfer: error: --demo goes through the HTTP API: drop --http-port -1", file=sys.stderr)
+        emit("deepinfer: error: --demo goes through the HTTP API: drop --http-port -1", file=sys.stderr)
         return 2
-    return asyncio.run(_up(args, spec))
+    return asyncio.run(_up(args, spec, emit))
 
 
-async def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
+async def _up(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[..., None]) -> int:
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        print(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
+        emit(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
               f"(logs in {cluster.log_dir}) ...", flush=True)
         await cluster.start()
-        print(banner(cluster), flush=True)
+        emit(banner(cluster), flush=True)
         if args.demo:
-            print(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
-            await http_demo(cluster.http_url, first_key(spec.api_keys))
+            emit(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
+            await http_demo(cluster.http_url, first_key(spec.api_keys), emit)
         if not args.exit_after_demo:
-            print("serving; Ctrl-C stops everything", flush=True)
+            emit("serving; Ctrl-C stops everything", flush=True)
             await stop.wait()
     finally:
         await asyncio.to_thread(cluster.stop)
-        print("stopped", flush=True)
+        emit("stopped", flush=True)
     return 0
 
 
@@ -116,7 +118,7 @@ def first_key(spec: str) -> str:
     return next(iter(parse_api_keys(spec)), "")
 
 
-async def http_demo(base_url: str, api_key: str = "") -> dict:
+async def http_demo(base_url: str, api_key: str = "", emit: Callable[..., None] = print) -> dict:
     """Stream one greedy chat answer through the OpenAI-compatible API to stdout; returns its usage. An error
     raises ``DeepinferError`` (``deepinfer`` exits 2 with it)."""
     body = {"messages": DEMO_MESSAGES, "max_tokens": 64, "temperature": 0, "timeout_s": 120,
@@ -125,11 +127,10 @@ async def http_demo(base_url: str, api_key: str = "") -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
         async for event in stream_events(session, base_url + "/v1/chat/completions", body, api_key):
             for choice in event["choices"]:
-                sys.stdout.write(choice["delta"].get("content") or "")
-                sys.stdout.flush()
+                emit(choice["delta"].get("content") or "", end="", flush=True)
             usage = event.get("usage") or usage
-    print()
+    emit()
     if usage:
-        print(f"[{usage['completion_tokens']} tokens, prompt {usage['prompt_tokens']} "
+        emit(f"[{usage['completion_tokens']} tokens, prompt {usage['prompt_tokens']} "
               f"(cached {usage['prompt_tokens_details']['cached_tokens']}) via {base_url}/v1]", file=sys.stderr)
     return usage

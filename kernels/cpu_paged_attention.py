@@ -106,14 +106,15 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* b
         const A inv = A(1) / sum;
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
-      for (int64_t blk = first / BS; blk * BS < ctx; ++blk) {
-        const T* vb = vc + int64_t(bt[b * MB + blk]) * s0 + kh * s2;
-        const int64_t t0 = std::max(first, blk * BS), t1 = std::min(ctx, (blk + 1) * BS);
-        for (int64_t g = 0; g < G; ++g) {
-          const A* pg = &scores[g * n];
-          A* ag = &acc[g * D];
+      // one head at a time over the whole context: its D accumulators stay in registers (V rows come from L1/L2)
+      for (int64_t g = 0; g < G; ++g) {
+        const A* __restrict pg = &scores[g * n];
+        A* __restrict ag = &acc[g * D];
+        for (int64_t blk = first / BS; blk * BS < ctx; ++blk) {
+          const T* __restrict vb = vc + int64_t(bt[b * MB + blk]) * s0 + kh * s2;
+          const int64_t t0 = std::max(first, blk * BS), t1 = std::min(ctx, (blk + 1) * BS);
           for (int64_t t = t0; t < t1; ++t) {
-            const T* v = vb + (t - blk * BS) * s1;
+            const T* __restrict v = vb + (t - blk * BS) * s1;
             const A p = pg[t - first];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * A(v[d]);

@@ -125,6 +125,7 @@ class ServiceRuntime:
         self._background: set[asyncio.Task] = set()
         self._load_fn: Callable[[], dict] | None = None
         self._kv = None
+        self._registering: asyncio.Task | None = None  # the heartbeat loop's registry put in flight
         self._closed = False
 
     async def serve(self, subject: str, handler: Handler, queue: str = "", work: bool = True) -> None:
@@ -175,12 +176,24 @@ class ServiceRuntime:
         self.spawn(self._heartbeat_loop())
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeats keep their cadence whatever the registry does: a registry put runs beside them (one at a
+        time), since after a NATS restart JetStream calls may each wait out their timeout, and heartbeats held
+        behind them would make the router think the worker dead."""
         while True:
-            await self.beat()
+            await self.beat(register=False)
+            if self._registering is None or self._registering.done():
+                self._registering = self.spawn(self._register_logged())
             await asyncio.sleep(self.heartbeat_s)
 
-    async def beat(self) -> None:
-        """Publish one heartbeat and refresh the registry entry (failures are logged: NATS may be down)."""
+    async def _register_logged(self) -> None:
+        try:
+            await self._register()
+        except Exception as err:  # NATS or JetStream down: the next beat retries
+            logger.debug("registry put failed: %s", err)
+
+    async def beat(self, register: bool = True) -> None:
+        """Publish one heartbeat and (``register``) refresh the registry entry (failures are logged: NATS may be
+        down)."""
         if self._load_fn is None or self._closed:
             return
         try:
@@ -189,7 +202,8 @@ class ServiceRuntime:
                                          block_size=self.info.block_size, host=self.info.host,
                                          timestamp=time.time(), draining=self.draining, **self._load_fn())
             await self.nc.publish(subjects.load(self.info.worker_id), protocol.encode(report))
-            await self._register()
+            if register:
+                await self._register()
         except Exception as err:  # NATS down: keep beating, reconnect is automatic
             logger.debug("heartbeat failed: %s", err)
 

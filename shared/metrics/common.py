@@ -92,21 +92,24 @@ def gauge(name: str, doc: str, labels: Mapping[str, str], value: float) -> Gauge
     return family
 
 
-def counter_by(name: str, doc: str, labels: Mapping[str, str], key: str,
-               values: Iterable[tuple[str, float]]) -> CounterMetricFamily:
-    """A counter family with one sample per ``(key value, count)`` in ``values``, besides the fixed labels."""
-    family = CounterMetricFamily(name, doc, labels=[*labels, key])
+def _family_by(cls, name: str, doc: str, labels: Mapping[str, str], key: str,
+               values: Iterable[tuple[str, float]]):
+    family = cls(name, doc, labels=[*labels, key])
     for label, value in values:
         family.add_metric([*labels.values(), label], value)
     return family
+
+
+def counter_by(name: str, doc: str, labels: Mapping[str, str], key: str,
+               values: Iterable[tuple[str, float]]) -> CounterMetricFamily:
+    """A counter family with one sample per ``(key value, count)`` in ``values``, besides the fixed labels."""
+    return _family_by(CounterMetricFamily, name, doc, labels, key, values)
 
 
 def gauge_by(name: str, doc: str, labels: Mapping[str, str], key: str,
              values: Iterable[tuple[str, float]]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=[*labels, key])
-    for label, value in values:
-        family.add_metric([*labels.values(), label], value)
-    return family
+    """The gauge counterpart of ``counter_by``."""
+    return _family_by(GaugeMetricFamily, name, doc, labels, key, values)
 
 
 def error_counts(prefix: str, labels: Mapping[str, str], counts: Mapping[str, int]) -> CounterMetricFamily:

@@ -67,6 +67,8 @@ def instrument(engine):
                (attention_mod, "store_kv", b.timed("kv_write", attention_mod.store_kv)),
                (attention_mod, "paged_decode_attention", b.timed("decode_attention",
                                                                  attention_mod.paged_decode_attention)),
+               (attention_mod, "cascade_decode_attention", b.timed("decode_attention",
+                                                                   attention_mod.cascade_decode_attention)),
                (runner_mod, "sample", b.timed("sample", runner_mod.sample)),
                (model, "forward", b.timed("forward", model.forward)),
                (runner, "_prepare", b.timed("prepare", runner._prepare)),

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from shared.model.attention import AttentionMetadata, PrefillChunk
-from kernels import cpu_paged_attention
+from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampler import sample
@@ -39,6 +39,7 @@ class ModelRunner:
         # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/model/kv_cache.py)
         self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
                                           model.dtype, model.device)
+        self._cascade = cascade_attention.available(model.device, model.dtype)
 
     def _prepare(self, out: SchedulerOutput):
         bs, device = self.bm.block_size, self.model.device
@@ -80,7 +81,9 @@ class ModelRunner:
             num_decode=len(decode_tables),
             decode_block_tables=torch.from_numpy(tables).to(device),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-            prefills=prefills, block_size=bs)
+            prefills=prefills, block_size=bs,
+            decode_cascade=cascade_attention.find_shared_prefixes(tables, np.asarray(decode_lens), bs, device)
+            if self._cascade else None)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cascade_attention import DecodeCascade, cascade_decode_attention
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_decode_attention
 
@@ -36,6 +37,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     block_size: int
     masks: dict = field(default_factory=dict)  # (q_len, context_len, window, dtype) -> additive mask, per step
+    decode_cascade: DecodeCascade | None = None  # decode rows sharing prefix blocks (CPU; windowless layers)
 
 
 def _chunk_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -80,7 +82,10 @@ def attend(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decode
-    if nd:
+    if nd and meta.decode_cascade is not None and sliding_window is None:
+        out[:nd] = cascade_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, scale, meta.decode_cascade)
+    elif nd:
         out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_context_lens, scale, sliding_window)
     for chunk in meta.prefills:

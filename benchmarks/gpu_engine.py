@@ -3,12 +3,15 @@ Ready for the device tool (one H200); not run in CI. Same engine code as on CPU:
 paged decode attention run the Triton kernels (``kernels/``), the rest is torch.
 
     python -m benchmarks.gpu_engine [--model path.gguf|hf-folder] [--dtype bfloat16] [--new-tokens 128]
+                                    [--decode-graphs both|auto|off]
 
 Decode: ``batch`` prompts at once, ``--new-tokens`` each, EOS ignored; tokens/s counts output tokens over the
 whole run minus its prefill (measured separately: the first step's wall). Prefill: all 64 prompts with one new
 token each, prompt tokens/s. Each figure is the best of ``--repeat`` runs after one warm-up run (kernel
-compilation and autotuning excluded). Prints the device, dtype, and whether greedy outputs of batch 1 equal
-the first sequence of batch 16 (batch invariance of the greedy path).
+compilation and autotuning excluded). Decode runs with CUDA graphs (``auto``, shared/engine/decode_graphs.py)
+and without (``off``); ``both`` prints the two side by side with their ratio and whether their greedy outputs
+are equal. Prints the device, dtype, and whether greedy outputs of batch 1 equal the first sequence of batch
+16 (batch invariance of the greedy path).
 """
 from __future__ import annotations
 
@@ -68,29 +71,36 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--decode-graphs", default="both", choices=["both", "auto", "off"])
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     prompts = [p["token_ids"] for p in json.loads(PROMPTS.read_text())["prompts"]]
+    modes = ["auto", "off"] if args.decode_graphs == "both" else [args.decode_graphs]
 
-    def fresh() -> LLMEngine:  # no prefix cache carried between runs: every figure computes its prompts
+    def fresh(graphs: str = modes[0]) -> LLMEngine:  # no prefix cache carried between runs
         return LLMEngine.from_path(args.model, EngineConfig(dtype=args.dtype, device=args.device,
                                                             max_num_batched_tokens=args.max_batched_tokens,
-                                                            enable_prefix_caching=False))
+                                                            enable_prefix_caching=False, decode_graphs=graphs))
     engine = fresh()
     log.info("device %s, dtype %s, %s", engine.model.device, engine.model.dtype,
              torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
     decode_rate(engine, prompts[:4], 8)  # warm-up: kernel compilation and autotuning
     results = {}
     for batch in (1, 16, 64):
-        rates = []
-        for _ in range(args.repeat):
-            rate, outs = decode_rate(fresh(), prompts[:batch], args.new_tokens)
-            rates.append(rate)
-        results[batch] = (max(rates), outs)
-        log.info("decode batch %3d: %8.1f out tok/s", batch, max(rates))
+        for mode in modes:
+            rates = []
+            for _ in range(args.repeat):
+                rate, outs = decode_rate(fresh(mode), prompts[:batch], args.new_tokens)
+                rates.append(rate)
+            results[batch, mode] = (max(rates), outs)
+            log.info("decode batch %3d, graphs %-4s: %8.1f out tok/s", batch, mode, max(rates))
+        if len(modes) == 2:
+            (a, out_a), (b, out_b) = results[batch, "auto"], results[batch, "off"]
+            log.info("decode batch %3d: graphs / eager = %.2fx, greedy outputs equal: %s", batch, a / b,
+                     out_a == out_b)
     log.info("prefill 64 prompts: %8.1f prompt tok/s",
              max(prefill_rate(fresh(), prompts) for _ in range(args.repeat)))
-    same = results[1][1][0] == results[16][1][0]
+    same = results[1, modes[0]][1][0] == results[16, modes[0]][1][0]
     log.info("greedy batch-1 output equals batch-16's first sequence: %s", same)
 
 

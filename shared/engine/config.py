@@ -26,6 +26,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available else cpu
     num_threads: int | None = None
+    decode_graphs: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU; off; eager (padded path, no capture)
+    decode_graph_max_batch: int = 64  # largest decode batch replayed from a graph (larger ones run eagerly)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -38,6 +40,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.decode_graphs not in ("auto", "off", "eager"):
+            raise ValueError(f"decode_graphs must be auto, off or eager, got {self.decode_graphs!r}")
+        if self.decode_graph_max_batch <= 0:
+            raise ValueError("decode_graph_max_batch must be positive")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -39,6 +39,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.block_manager)
+        if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and model.device.type == "cuda"):
+            self.runner.use_decode_graphs(max_blocks=-(-self.max_model_len // config.block_size),
+                                          max_batch=min(config.decode_graph_max_batch, config.max_num_seqs),
+                                          capture=config.decode_graphs == "auto")
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(mc.eos_token_ids)
         self._ids = itertools.count()

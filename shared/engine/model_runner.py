@@ -16,6 +16,7 @@ from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.block_manager import BlockManager
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
@@ -40,6 +41,14 @@ class ModelRunner:
         self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
                                           model.dtype, model.device)
         self._cascade = cascade_attention.available(model.device, model.dtype)
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_blocks: int, max_batch: int, capture: bool) -> None:
+        """Run pure decode steps of up to ``max_batch`` rows through ``DecodeGraphs`` (captured when
+        ``capture``, else its padded path eagerly). Cascade attention is a per-step choice a graph cannot
+        replay: graph-eligible steps never use it."""
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.bm.block_size, max_blocks, max_batch, capture)
+        self.graphs.capture_all()
 
     def _prepare(self, out: SchedulerOutput):
         bs, device = self.bm.block_size, self.model.device
@@ -83,7 +92,7 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
             prefills=prefills, block_size=bs,
             decode_cascade=cascade_attention.find_shared_prefixes(tables, np.asarray(decode_lens), bs, device)
-            if self._cascade else None)
+            if self._cascade and self.graphs is None else None)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
@@ -102,7 +111,13 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta, rows, sampled = self._prepare(out)
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
+        if (self.graphs is not None and not meta.prefills and len(rows) == meta.num_decode <= self.graphs.max_batch
+                and meta.decode_block_tables.shape[1] <= self.graphs.max_blocks):
+            # pure decode (drafts being verified included): every row's logits, in row order
+            logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                     meta.decode_context_lens)
+        else:
+            logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
         if not sampled:
             return {}
         result: dict[str, list[int]] = {}

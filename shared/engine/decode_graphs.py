@@ -71,16 +71,17 @@ class DecodeGraphs:
         eagerly: a decode step is never lost to a capture problem."""
         if not self.capture:
             return
-        pool = torch.cuda.graph_pool_handle()
         try:
-            for b in reversed(self.sizes):
-                self._forward(b)  # warm-up outside the graph: Triton compiles, allocator settles
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[b] = self._forward(b)
-                self._graphs[b] = graph
-        except RuntimeError as err:
+            with torch.cuda.device(self.model.device):  # capture on the model's device, not the current one
+                pool = torch.cuda.graph_pool_handle()
+                for b in reversed(self.sizes):
+                    self._forward(b)  # warm-up outside the graph: Triton compiles, allocator settles
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._outputs[b] = self._forward(b)
+                    self._graphs[b] = graph
+        except Exception as err:  # a capture or Triton compile error: decode eagerly rather than not start
             logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", err)
             self._graphs.clear()
             self._outputs.clear()
@@ -109,5 +110,6 @@ class DecodeGraphs:
         graph = self._graphs.get(b)
         if graph is None:
             return self._forward(b)[:n]
-        graph.replay()
+        with torch.cuda.device(self.model.device):
+            graph.replay()
         return self._outputs[b][:n]

@@ -44,13 +44,26 @@ def test_padded_decode_path_gives_the_eager_tokens(monkeypatch):
     assert engine.generate(batch[:3], GREEDY) == plain[:3]  # cached prompts, cache not corrupted
 
 
-def test_batches_beyond_the_largest_bucket_run_eagerly():
+def test_batches_beyond_the_largest_bucket_run_eagerly(monkeypatch):
     model = tiny_model(seed=5)
     batch = prompts(model.config.vocab_size, 6)
     plain = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=64)).generate(batch, GREEDY)
     engine = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=64, decode_graphs="eager",
                                            decode_graph_max_batch=4))
-    assert engine.generate(batch, GREEDY) == plain
+    sizes, forwards = [], []
+    real_run, real_forward = engine.runner.graphs.run, model.forward
+    monkeypatch.setattr(engine.runner.graphs, "run", lambda ids, *a: sizes.append(len(ids)) or real_run(ids, *a))
+    monkeypatch.setattr(model, "forward", lambda ids, *a: forwards.append(len(ids)) or real_forward(ids, *a))
+    lengths = [2, 4, 6, 8, 10, 10]  # requests finish one after another: batches of 6, 4, 3, 2
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(batch, lengths)]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[i] for i in ids] == [p[:n] for p, n in zip(plain, lengths)]
+    assert sizes and max(sizes) <= 4  # small steps replayed the padded path ...
+    assert 6 in forwards  # ... six-row decode steps ran the plain forward pass
 
 
 def test_verifying_drafts_through_the_padded_path_keeps_greedy_exact(monkeypatch):

@@ -189,7 +189,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(starts.numel() == B && prefix_out.sizes() == q.sizes() && prefix_lse.numel() == B * H &&
                 prefix_out.scalar_type() == q.scalar_type() && prefix_lse.scalar_type() == q.scalar_type(),
                 "starts [B], prefix_out [B,H,D], prefix_lse [B,H] in q's dtype");
+    TORCH_CHECK(window == 0, "cascade rows take no sliding window");
     starts = starts.to(torch::kInt32).contiguous();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(starts.data_ptr<int32_t>()[b] >= 0 && starts.data_ptr<int32_t>()[b] < lens.data_ptr<int32_t>()[b],
+                  "a cascade row keeps at least its newest position: 0 <= starts[b] < context_lens[b]");
     prefix_out = prefix_out.contiguous();
     prefix_lse = prefix_lse.contiguous();
   }

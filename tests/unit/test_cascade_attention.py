@@ -88,6 +88,11 @@ def test_kernel_rejects_prefix_parts_of_the_wrong_shape():
     starts = torch.zeros(len(lens), dtype=torch.int32)
     with pytest.raises(RuntimeError, match="prefix_out"):
         cpu_paged_attention.paged_decode_attention_cpu(q, k, v, bt, ctx, 0.25, None, starts, q[:3], q[:, :, 0])
+    lse = q[:, :, 0].contiguous()
+    with pytest.raises(RuntimeError, match="newest position"):
+        cpu_paged_attention.paged_decode_attention_cpu(q, k, v, bt, ctx, 0.25, None, ctx.clone(), q, lse)
+    with pytest.raises(RuntimeError, match="sliding window"):
+        cpu_paged_attention.paged_decode_attention_cpu(q, k, v, bt, ctx, 0.25, 8, starts, q, lse)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"layer_sliding_windows": (None, 12)}], ids=["llama", "one-window-layer"])

@@ -1,4 +1,5 @@
-"""Paged-attention decode for the CPU as a small C++ extension (compiled once with the machine's g++).
+"""Paged-attention decode (and the KV store beside it) for the CPU as a small C++ extension (compiled once with
+the machine's g++).
 
 Why: the torch reference gathers every sequence's blocks padded to the longest context, then runs a
 masked SDPA; on a 2-core CPU that copy dominates a decode step. This kernel reads K/V in place through the
@@ -174,6 +175,38 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* b
 // starts [B] int32 (empty: none): row b attends positions [starts[b], ctx) and merges the result with
 // prefix_out [B,H,D] / prefix_lse [B,H] (attention over positions [0, starts[b]) and its log-sum-exp), rows
 // with starts[b] == 0 ignore them. Requires starts[b] < ctx and no sliding window on cascade rows.
+// key/value [T,KVH,D] into k_cache/v_cache [NB,BS,KVH,D] (strided views, rows contiguous) at slots [T] int64
+// (slot = block * BS + offset; -1: padding, skipped). Same dtype on both sides.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes()
+              && key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3) && slots.numel() == key.size(0),
+              "key/value [T,KVH,D], caches [NB,BS,KVH,D], slots [T]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type() &&
+              key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "same dtype on both sides, contiguous rows");
+  auto s = slots.to(torch::kLong).contiguous();
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2), BS = k_cache.size(1);
+  const int64_t capacity = k_cache.size(0) * BS;
+  const int64_t* sp = s.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= -1 && sp[t] < capacity, "slot out of range: ", sp[t]);
+  const int64_t bytes = D * key.element_size();
+  auto copy = [&](const torch::Tensor& src, torch::Tensor& dst) {
+    const char* sb = static_cast<const char*>(src.data_ptr());
+    char* db = static_cast<char*>(dst.data_ptr());
+    const int64_t es = src.element_size();
+    for (int64_t t = 0; t < T; ++t) {
+      if (sp[t] < 0) continue;
+      const int64_t blk = sp[t] / BS, off = sp[t] % BS;
+      for (int64_t h = 0; h < KVH; ++h)
+        std::memcpy(db + (blk * dst.stride(0) + off * dst.stride(1) + h * dst.stride(2)) * es,
+                    sb + (t * src.stride(0) + h * src.stride(1)) * es, bytes);
+    }
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
                            torch::Tensor starts, torch::Tensor prefix_out, torch::Tensor prefix_lse) {
@@ -296,7 +329,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             logger.info("building the CPU attention extension %s for this CPU (~1 min)", name)
-            _module = load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode"],
+            _module = load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode", "store_kv"],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir()), verbose=False)
     except Exception as err:  # no compiler / headers: fall back to the torch reference

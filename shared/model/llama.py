@@ -93,13 +93,16 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = apply_rope(q, cos, sin)  # [T, H, D]
-            k = apply_rope(k, cos, sin)  # [T, kvh, D]
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is None:  # q and k sit side by side: rotate both heads' sets in one pass
+                qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim),
+                                cos, sin)  # [T, H + kvh, D]
+                q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]  # [T, H, D], [T, kvh, D]
+            else:
+                q, k = qkv[:, :c.q_size], qkv[:, c.q_size:c.q_size + c.kv_size]
+                q = rms_norm(q.view(-1, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
+                k = rms_norm(k.view(-1, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, kvh, D]
+            v = qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
             o = attend(q, k, v, *layer_kv(kv_cache, i), meta, self.scale, layer.sliding_window)
             h = h + linear(o.flatten(1), layer.o_proj)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)

@@ -51,3 +51,22 @@ def test_peaked_softmax_over_a_long_shared_prefix():
     torch_fp32 = paged_decode_attention_reference(q, k, v, bt, lens, 0.125, None)
     kernel_err = (out.double() - ref).abs().max().item()
     assert kernel_err <= 1.5 * (torch_fp32.double() - ref).abs().max().item()
+
+
+def test_store_kv_equals_the_reference_and_rejects_bad_slots():
+    """Strided cache views (the engine's head-major layout), strided key/value (split from one QKV output),
+    padding slots (-1) skipped, float32 and float64; a slot past the cache is an error, not a stray write."""
+    from kernels.kv_store import store_kv_reference
+    from shared.model.kv_cache import layer_kv
+    for dtype in (torch.float32, torch.float64):
+        g = torch.Generator().manual_seed(2)
+        qkv = torch.randn(40, 6 * 8 + 2 * 2 * 8, generator=g, dtype=dtype)  # [T, q + 2kv]
+        k, v = qkv[:, 48:64].view(40, 2, 8), qkv[:, 64:].view(40, 2, 8)  # [T, kvh, D], strided
+        slots = torch.randperm(12 * 4, generator=g)[:40]
+        slots[[0, 7]] = -1
+        caches = [torch.zeros(12, 3, 2, 2, 4, 8, dtype=dtype) for _ in range(2)]  # [NB, L, 2, kvh, bs, D]
+        store_kv_reference(k, v, *layer_kv(caches[0], 1), slots)
+        kernel.store_kv(k, v, *layer_kv(caches[1], 1), slots)
+        assert torch.equal(caches[0], caches[1]) and caches[1].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.store_kv(k, v, *layer_kv(caches[1], 1), torch.full((40,), 12 * 4))

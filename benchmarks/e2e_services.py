@@ -1,7 +1,7 @@
 """End-to-end: the disaggregated services (router → prefill → decode over NATS) vs the in-process engine on
 the same prompts, all submitted at once. Prints output tokens/s, TTFT p50/p99 for both, and their ratios.
 
-    python benchmarks/e2e_services.py --limit 16 --new-tokens 32 [--mode remote|local] [--transport shm]
+    python benchmarks/e2e_services.py --limit 16 --new-tokens 32 [--mode remote|local] [--transport shm] [--rounds 3]
     python benchmarks/e2e_services.py --prefill 0     # equal cores: one aggregated worker with every core
     taskset -c 0 python benchmarks/e2e_services.py --prefill 0   # 1 core vs 1 core (router and NATS share it)
 
@@ -80,6 +80,11 @@ async def through_services(prompts, new_tokens, mode, transport, prefill: int = 
         await asyncio.to_thread(cluster.stop)
 
 
+def report(name: str, wall: float, ttft: list[float], n: int) -> None:
+    print(f"{name:28s}: {n / wall:6.1f} output tok/s  TTFT p50 {statistics.median(ttft) * 1000:7.0f} ms"
+          f"  p99 {pct(ttft, 0.99) * 1000:7.0f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=16)
@@ -88,23 +93,31 @@ def main() -> None:
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers (0: one aggregated decode worker "
                     "with every core, prefilling locally)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (services and engine alternate "
+                    "which goes first); the median ratio is the figure, since this machine class drifts")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     prompts = [p["token_ids"] for p in json.loads(PROMPTS.read_text())["prompts"][:args.limit]]
     if args.prefill == 0:
         args.mode = "local"
-    svc_wall, svc_ttft, svc_out = asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport,
-                                                               args.prefill))
-    eng_wall, eng_ttft, eng_out = in_process(prompts, args.new_tokens)
+    label = f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})"
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each, "
-          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker")
-    for name, wall, ttft, n in (("in-process engine", eng_wall, eng_ttft, eng_out),
-                                (f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})",
-                                 svc_wall, svc_ttft, svc_out)):
-        print(f"{name:28s}: {n / wall:6.1f} output tok/s  TTFT p50 {statistics.median(ttft) * 1000:7.0f} ms"
-              f"  p99 {pct(ttft, 0.99) * 1000:7.0f} ms")
-    print(f"ratio services / engine: throughput {svc_out / svc_wall / (eng_out / eng_wall):.2f}x, "
-          f"TTFT p50 {statistics.median(svc_ttft) / statistics.median(eng_ttft):.2f}x")
+          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker, {args.rounds} rounds")
+    ratios, ttft_ratios = [], []
+    for r in range(args.rounds):
+        def services():
+            return asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport, args.prefill))
+        first, second = (services, lambda: in_process(prompts, args.new_tokens))[::1 if r % 2 == 0 else -1]
+        a, b = first(), second()
+        svc, eng = (a, b) if r % 2 == 0 else (b, a)
+        print(f"round {r + 1} ({'services' if r % 2 == 0 else 'engine'} first)")
+        report("  in-process engine", *eng)
+        report("  " + label, *svc)
+        ratios.append(svc[2] / svc[0] / (eng[2] / eng[0]))
+        ttft_ratios.append(statistics.median(svc[1]) / statistics.median(eng[1]))
+        print(f"  ratio services / engine: throughput {ratios[-1]:.2f}x, TTFT p50 {ttft_ratios[-1]:.2f}x")
+    print(f"median over {args.rounds} rounds: throughput {statistics.median(ratios):.2f}x "
+          f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}), TTFT p50 {statistics.median(ttft_ratios):.2f}x")
 
 
 if __name__ == "__main__":

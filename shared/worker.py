@@ -64,15 +64,24 @@ class Worker(Service):
         engine_cfg = EngineConfig(block_size=c.block_size, kv_cache_bytes=c.kv_cache_mb << 20,
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None)
-        engine = await asyncio.to_thread(LLMEngine.from_path, c.model or None, engine_cfg)
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
-        engine.set_kv_event_sink(self.kv_events.sink)  # before the engine thread starts
-        if c.role == "decode" and c.draft:
-            engine.set_speculator(self._speculator(engine))
-        self.aengine = AsyncEngine(engine)
-        self.aengine.start()
+        loop = asyncio.get_running_loop()
+
+        def build() -> LLMEngine:  # on the engine thread: the only thread of this process that runs torch ops
+            engine = LLMEngine.from_path(c.model or None, engine_cfg)
+            engine.set_kv_event_sink(self.kv_events.sink)  # before stepping starts
+            if c.role == "decode" and c.draft:
+                engine.set_speculator(self._speculator(engine, loop))
+            return engine
+
+        try:
+            self.aengine = await AsyncEngine.launch(build)
+        except BaseException:
+            await self.nc.close()  # nothing was served yet: a worker that cannot load leaves no connection
+            raise
+        engine = self.aengine.engine
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
@@ -101,7 +110,7 @@ class Worker(Service):
     async def serve_handlers(self) -> None:
         raise NotImplementedError
 
-    def _speculator(self, engine: LLMEngine):
+    def _speculator(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
         """Speculative decoding for this decode worker: an in-process drafter or the draft service, the
         confidence head (the drafter's shipped head, else fixed k), the acceptance log when asked for."""
         from shared.engine.speculator import SpecConfig, Speculator
@@ -115,7 +124,7 @@ class Worker(Service):
             drafter = make_drafter(c.drafter, engine.model)
         else:
             subject = subjects.draft(subjects.safe_token(engine.model.config.model_id))
-            drafter = RemoteDrafter(self.nc, asyncio.get_running_loop(), subject, c.draft_timeout_s)
+            drafter = RemoteDrafter(self.nc, loop, subject, c.draft_timeout_s)
         head_path = c.spec_head or (shipped_head(c.drafter) if c.draft == "local" else None)
         head = load_head(head_path, c.spec_k) if head_path else FixedK(c.spec_k)
         self.spec_log = AcceptanceLog(c.spec_log) if c.spec_log else None

@@ -1,5 +1,10 @@
 """Runs an ``LLMEngine`` on its own thread and exposes it to asyncio.
 
+``launch`` builds the engine on that same thread, so a worker process runs every parallel torch op on one
+thread and has one OpenMP thread pool. A second pool (the model loaded in an executor thread, a large copy
+on the event loop) makes libgomp count more threads than cores and stop its workers spinning between
+parallel regions: engine steps ran 14-45% slower on 2 cores (``benchmarks/e2e_services.py --prefill 0``).
+
 The engine is not thread-safe, so every mutation (add, abort, import, export, release) is a command executed
 on the engine thread between steps. Commands go through a bounded queue: when it is full, callers get an
 ``overloaded`` error instead of unbounded buffering. Each request's outputs go to a per-request asyncio queue
@@ -23,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending_commands: int = 1024) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None, max_pending_commands: int = 1024) -> None:
+        self.engine = engine  # None until ``launch`` has built it
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue(
             max_pending_commands)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -33,10 +38,38 @@ class AsyncEngine:
         self._stopping = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------------
+    @classmethod
+    async def launch(cls, build: Callable[[], LLMEngine], max_pending_commands: int = 1024) -> "AsyncEngine":
+        """Start the engine thread, run ``build()`` on it (load the model, attach sinks and drafters: all the
+        torch work of start-up), then step the engine there. Raises what ``build`` raised (the thread ends)."""
+        self = cls(None, max_pending_commands)
+        self._loop = asyncio.get_running_loop()
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._build_and_run, args=(build, built), name="engine", daemon=True)
+        self._thread.start()
+        try:
+            self.engine = await asyncio.wrap_future(built)
+        except BaseException:  # build failed (the thread has ended) or the caller gave up (the thread ends)
+            self._stopping.set()
+            self._thread = None
+            raise
+        return self
+
     def start(self) -> None:
+        """Step an engine built elsewhere (tests; a process whose torch work all runs on this thread)."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def _build_and_run(self, build: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            engine = build()
+        except BaseException as err:
+            built.set_exception(err)
+            return
+        self.engine = engine
+        built.set_result(engine)
+        self._run()
 
     async def stop(self) -> None:
         """Stop the engine thread (idempotent). Unfinished requests are aborted."""

@@ -26,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = (Path(__file__).parent / "cpu_attention.cpp").read_text()
+# One extension, two sources: attention + KV store, and the layer ops (kernels/layer_ops.py dispatches to them).
+_SOURCE = "\n".join((Path(__file__).parent / name).read_text() for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp"))
+_FUNCTIONS = ["paged_decode", "store_kv", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
 
 # Reassociation (vectorised sums) but exact expf and IEEE infinities: -ffast-math's approximate vector exp bought
 # nothing measurable over this on the engine benchmark; without -fassociative-math decode runs ~15% slower
@@ -110,7 +112,7 @@ def load():
             from torch.utils.cpp_extension import load_inline
 
             logger.info("building the CPU attention extension %s for this CPU (~1 min)", name)
-            _module = load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode", "store_kv"],
+            _module = load_inline(name=name, cpp_sources=[_SOURCE], functions=_FUNCTIONS,
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir()), verbose=False)
     except Exception as err:  # no compiler / headers: fall back to the torch reference

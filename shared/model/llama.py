@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.layer_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from shared.model.attention import AttentionMetadata, attend
 from shared.model.kv_cache import layer_kv
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.linear import linear, prepare_weight
-from shared.model.rope import apply_rope, build_rope_cache
+from shared.model.rope import build_rope_cache
 
 
 @dataclass(slots=True)
@@ -33,15 +34,6 @@ class LayerWeights:
     sliding_window: int | None
     q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF-exact RMSNorm: normalise in float32 (or wider), then scale in the model dtype."""
-    if x.dtype in (torch.float32, torch.float64):
-        return F.rms_norm(x, weight.shape, weight, eps)  # fused; same math in the input's precision
-    compute = x if x.dtype == torch.float64 else x.float()
-    var = compute.pow(2).mean(-1, keepdim=True)
-    return weight * (compute * torch.rsqrt(var + eps)).to(x.dtype)
 
 
 class LlamaModel:
@@ -88,25 +80,26 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] int64: rows of the batch whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, V]
         c = self.config
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]: the residual stream, updated in place
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        delta = None  # [T, hidden]: the previous layer's MLP output, not yet added to h
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps) if delta is None else \
+                add_rms_norm_(h, delta, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2kv]
-            if layer.q_norm is None:  # q and k sit side by side: rotate both heads' sets in one pass
-                qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim),
-                                cos, sin)  # [T, H + kvh, D]
+            if layer.q_norm is None:  # q and k sit side by side: rotate both heads' sets in one pass, in place
+                qk = rope_(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim),
+                           cos, sin)  # [T, H + kvh, D]
                 q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]  # [T, H, D], [T, kvh, D]
             else:
                 q, k = qkv[:, :c.q_size], qkv[:, c.q_size:c.q_size + c.kv_size]
                 q = rms_norm(q.view(-1, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k.view(-1, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, H, D], [T, kvh, D]
+                q, k = rope_(q, cos, sin), rope_(k, cos, sin)  # [T, H, D], [T, kvh, D]
             v = qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
             o = attend(q, k, v, *layer_kv(kv_cache, i), meta, self.scale, layer.sliding_window)
-            h = h + linear(o.flatten(1), layer.o_proj)
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, ffn] each
-            h = h + linear(F.silu(gate) * up, layer.down)
-        h = rms_norm(h[logits_indices], self.final_norm, c.rms_norm_eps)  # [S, hidden]
+            x = add_rms_norm_(h, linear(o.flatten(1), layer.o_proj), layer.post_norm, c.rms_norm_eps)
+            delta = linear(silu_mul(linear(x, layer.gate_up)), layer.down)  # [T, hidden]
+        h = h[logits_indices] + delta[logits_indices]  # the last residual add, only where logits are wanted
+        h = rms_norm(h, self.final_norm, c.rms_norm_eps)  # [S, hidden]
         return linear(h, self.lm_head)  # [S, V]

@@ -1,5 +1,6 @@
 """Rotary position embeddings (NeoX / HF "rotate_half" layout) with the scaling variants of Llama 3,
 linear, static dynamic-NTK and YaRN (Qwen2's long-context option).
+The rotation itself is ``kernels.layer_ops.rope_`` (in place, one pass on CPU).
 
 The cos/sin table is precomputed once for ``max_position_embeddings`` positions, so every request sees
 bit-identical rotations regardless of how it is batched. Angles are computed the way HF transformers and
@@ -79,11 +80,3 @@ def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
     cos, sin = emb.cos() * mscale, emb.sin() * mscale
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x: [T, heads, D]`` by per-token ``cos/sin: [T, D]`` (already indexed by position)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,142 @@
+// The per-token ops between a decoder layer's matmuls, fused for the CPU: RMSNorm (alone and after the residual
+// add), SiLU-gated product, and RoPE in place. Compiled into the same extension as cpu_attention.cpp (loaded by
+// kernels/cpu_paged_attention.py); the torch references and the dispatch live in kernels/layer_ops.py.
+// Each op reads its input once and writes its output once (torch runs 2-5 passes with temporaries each).
+// Rows: the leading dimension, split over the engine's OpenMP threads; every row's last dimension is contiguous.
+
+// exp(-a) for a >= 0, float: Cephes' polynomial as in cpu_attention.cpp's exp_nonpositive (vectorises).
+static inline float layer_exp_neg(float a) {
+  float x = -a < -87.0f ? -87.0f : -a;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+static inline double layer_exp_neg(double a) { return std::exp(-a); }
+
+static inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+static void rms_rows(const T* x, int64_t xs, T* __restrict out, int64_t os, const T* __restrict w, int64_t N, T eps,
+                     int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const T* __restrict xr = x + t * xs;
+    T ss = 0;
+    for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
+    const T inv = T(1) / std::sqrt(ss / T(N) + eps);
+    T* __restrict o = out + t * os;
+    for (int64_t i = 0; i < N; ++i) o[i] = (xr[i] * inv) * w[i];
+  }
+}
+
+template <typename T>
+static void add_rows(T* __restrict h, const T* __restrict d, int64_t ds, int64_t N, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    T* __restrict hr = h + t * N;
+    const T* __restrict dr = d + t * ds;
+    for (int64_t i = 0; i < N; ++i) hr[i] += dr[i];
+  }
+}
+
+// silu(g)·u per element: silu(g) = g / (1 + exp(-g)), taken as (g < 0 ? g·e : g) / (1 + e) with e = exp(-|g|),
+// so the exponential never overflows.
+template <typename T>
+static void silu_mul_rows(const T* gu, int64_t rs, T* __restrict out, int64_t F, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const T* __restrict g = gu + t * rs;
+    const T* __restrict u = g + F;
+    T* __restrict o = out + t * F;
+    for (int64_t i = 0; i < F; ++i) {
+      const T x = g[i];
+      const T e = layer_exp_neg(std::fabs(x));
+      o[i] = ((x < 0 ? x * e : x) / (T(1) + e)) * u[i];
+    }
+  }
+}
+
+#define DEEPINFER_FLOATING(x, ...) \
+  if ((x).scalar_type() == torch::kDouble) { using T = double; __VA_ARGS__; } \
+  else { TORCH_CHECK((x).scalar_type() == torch::kFloat, "float32 or float64"); using T = float; __VA_ARGS__; }
+
+// x [T, N] (rows contiguous), w [N] → x / sqrt(mean(x²) + eps) * w, [T, N] contiguous.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+              w.scalar_type() == x.scalar_type(), "x [T,N] with contiguous rows, w [N] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t N = x.size(1);
+  DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(N), [&](int64_t b, int64_t e) {
+    rms_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), N, w.data_ptr<T>(), N, T(eps), b, e);
+  }));
+  return out;
+}
+
+// h [T, N] += delta [T, N] (in place), then rms_norm(h, w, eps) as above. h contiguous.
+torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.sizes() == h.sizes() && delta.stride(1) == 1 &&
+              w.dim() == 1 && w.size(0) == h.size(1) && w.is_contiguous() && w.scalar_type() == h.scalar_type() &&
+              delta.scalar_type() == h.scalar_type(), "h [T,N] contiguous, delta [T,N], w [N], one dtype");
+  auto out = torch::empty_like(h);
+  const int64_t N = h.size(1);
+  const int64_t ds = delta.stride(0);
+  DEEPINFER_FLOATING(h, at::parallel_for(0, h.size(0), row_grain(N), [&](int64_t b, int64_t e) {
+    add_rows<T>(h.data_ptr<T>(), delta.data_ptr<T>(), ds, N, b, e);
+    rms_rows<T>(h.data_ptr<T>(), N, out.data_ptr<T>(), N, w.data_ptr<T>(), N, T(eps), b, e);
+  }));
+  return out;
+}
+
+// gate_up [T, 2F] (gate then up, rows contiguous) → silu(gate) * up, [T, F].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up [T, 2F] with contiguous rows");
+  const int64_t F = gate_up.size(1) / 2, rs = gate_up.stride(0);
+  auto out = torch::empty({gate_up.size(0), F}, gate_up.options());
+  DEEPINFER_FLOATING(gate_up, at::parallel_for(0, gate_up.size(0), row_grain(2 * F), [&](int64_t b, int64_t e) {
+    silu_mul_rows<T>(gate_up.data_ptr<T>(), rs, out.data_ptr<T>(), F, b, e);
+  }));
+  return out;
+}
+
+// x [T, heads, D] (a view: D contiguous; e.g. q and k side by side in the QKV output) rotated in place:
+// x·cos + rotate_half(x)·sin with cos/sin [T, D] already indexed by position. Products and the sum are rounded
+// separately (no fused multiply-add), as torch's reference computes them: the result is bit-identical.
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+static void rope_rows(T* x, int64_t s0, int64_t s1, int64_t H, int64_t D, const T* cos, const T* sin, int64_t b,
+                      int64_t e) {
+  const int64_t half = D / 2;
+  for (int64_t t = b; t < e; ++t) {
+    const T* c = cos + t * D;
+    const T* s = sin + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      T* r = x + t * s0 + h * s1;
+      for (int64_t i = 0; i < half; ++i) {
+        const T x1 = r[i], x2 = r[i + half];
+        const T a = x1 * c[i], bb = x2 * s[i], cc = x2 * c[i + half], d = x1 * s[i + half];
+        r[i] = a - bb;
+        r[i + half] = cc + d;
+      }
+    }
+  }
+}
+
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0 && cos.dim() == 2 && cos.sizes() == sin.sizes()
+              && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "x [T, heads, D] with contiguous D, cos/sin [T, D] contiguous, one dtype");
+  const int64_t H = x.size(1), D = x.size(2);
+  DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(H * D), [&](int64_t b, int64_t e) {
+    rope_rows<T>(x.data_ptr<T>(), x.stride(0), x.stride(1), H, D, cos.data_ptr<T>(), sin.data_ptr<T>(), b, e);
+  }));
+}

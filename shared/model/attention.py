@@ -74,6 +74,15 @@ def _masked_chunk_attention(qc, kc, vc, q_len: int, context_len: int, sliding_wi
     return F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _causal_chunk_attention(qc, kc, vc, scale: float) -> torch.Tensor:
+    """``qc: [H, q_len, D]`` over its own ``kc, vc: [kvh, q_len, D]``, causal. On CPU in float32/bfloat16 the flash
+    kernel is called directly (GQA native): ``scaled_dot_product_attention`` with ``enable_gqa`` takes the math
+    path there, 7x slower for a 1,002-token chunk and 2.4x for 160 tokens (9 heads over 3, D 64, 2 cores)."""
+    if _FLASH_CPU is not None and qc.device.type == "cpu" and qc.dtype in (torch.float32, torch.bfloat16):
+        return _FLASH_CPU(qc[None], kc[None], vc[None], is_causal=True, scale=scale)[0][0]
+    return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # q: [T, H, D]; k, v: [T, kvh, D]
     k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_blocks, block_size, kvh, D] (strided views)
@@ -99,7 +108,7 @@ def attend(
             vc = v_cache[chunk.block_table].flatten(0, 1)[:n]
         kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)  # [kvh, n, D]
         if sliding_window is None and chunk.context_len == q_len:
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            o = _causal_chunk_attention(qc, kc, vc, scale)
         else:
             o = _masked_chunk_attention(qc, kc, vc, q_len, chunk.context_len, sliding_window, scale, meta.masks)
         out[chunk.start:chunk.end] = o.transpose(0, 1)

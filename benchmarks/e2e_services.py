@@ -63,9 +63,10 @@ def in_process(prompts, new_tokens) -> tuple[float, list[float], int]:
     return time.perf_counter() - t0, [ttft[i] for i in ids], n_out
 
 
-async def through_services(prompts, new_tokens, mode, transport, prefill: int = 1) -> tuple[float, list[float], int]:
+async def through_services(prompts, new_tokens, mode, transport, prefill: int = 1,
+                           cache_tier: int = 0) -> tuple[float, list[float], int]:
     cluster = Cluster(ClusterSpec(prefill=prefill, decode=1, kv_cache_mb=512, local_prefill_threshold=0,
-                                  cache_tier=0, metrics=False, http_port=-1))
+                                  cache_tier=cache_tier, metrics=False, http_port=-1))
     await cluster.start()
     try:
         nc = await connect(cluster.nats_url, "bench")
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers (0: one aggregated decode worker "
                     "with every core, prefilling locally)")
+    ap.add_argument("--cache-tier", type=int, default=0, help="cache tier services (1: as `deepinfer up` runs; "
+                    "workers then write every finished request's blocks back to it)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (services and engine alternate "
                     "which goes first); the median ratio is the figure, since this machine class drifts")
     args = ap.parse_args()
@@ -102,11 +105,12 @@ def main() -> None:
         args.mode = "local"
     label = f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})"
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each, "
-          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker, {args.rounds} rounds")
+          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker, {args.cache_tier} cache tier, {args.rounds} rounds")
     ratios, ttft_ratios = [], []
     for r in range(args.rounds):
         def services():
-            return asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport, args.prefill))
+            return asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport, args.prefill,
+                                                    args.cache_tier))
         first, second = (services, lambda: in_process(prompts, args.new_tokens))[::1 if r % 2 == 0 else -1]
         a, b = first(), second()
         svc, eng = (a, b) if r % 2 == 0 else (b, a)

@@ -32,6 +32,7 @@ import logging
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from shared.errors import DeepinferError, ErrorCode
@@ -92,11 +93,25 @@ def check_blocks(kv_cache: torch.Tensor, block_ids) -> tuple[torch.Tensor, torch
     return kv_cache, ids
 
 
+def host_copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` for two contiguous host tensors of the same bytes: one memcpy on the calling thread.
+
+    Host copies here never use torch: its copy would start an OpenMP thread pool of the calling thread's own
+    (the event loop, an executor thread), and a second pool in a worker process slows every engine step
+    (``shared/engine/async_engine.py``). numpy copies on this thread alone and releases the GIL."""
+    np.copyto(as_bytes(dst).numpy(), as_bytes(src).numpy(), casting="no")
+
+
 def gather_blocks_into(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[:] = cache[ids]`` with ``out`` host staging [n, *block_shape]; one copy into ``out`` either way:
-    a CPU cache is gathered straight into it, a device cache through ``gather_via_device``."""
+    a CPU cache is gathered straight into it on the calling thread (as ``host_copy_``), a device cache through
+    ``gather_via_device``. ``ids`` are in range (``check_blocks``)."""
     if cache.device.type == "cpu":
-        return torch.index_select(cache, 0, ids, out=out)
+        if not ids.numel():
+            return out
+        rows = as_bytes(cache).numpy().reshape(cache.shape[0], -1)           # [num_blocks, block bytes]
+        np.take(rows, ids.numpy(), axis=0, out=as_bytes(out).numpy().reshape(ids.numel(), -1), mode="clip")
+        return out
     return gather_via_device(cache, ids, out)
 
 
@@ -110,9 +125,9 @@ def gather_via_device(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor)
 async def host_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``cache[ids]`` as a new contiguous CPU tensor [n, *block_shape]: a CPU cache is gathered on the
     loop (one copy); a device cache through ``gather_via_device`` (in a worker thread when big)."""
-    if cache.device.type == "cpu":
-        return cache.index_select(0, ids)
     out = torch.empty((int(ids.numel()), *cache.shape[1:]), dtype=cache.dtype)   # [n, *block_shape]
+    if cache.device.type == "cpu":
+        return gather_blocks_into(cache, ids, out)
     if out.numel() * out.element_size() >= THREAD_COPY_BYTES:
         await in_thread(gather_via_device, cache, ids, out)
     else:

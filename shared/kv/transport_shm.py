@@ -37,7 +37,7 @@ import torch
 
 from shared.errors import DeepinferError
 from shared.kv.transport import (THREAD_COPY_BYTES, KVTransport, handle_fields, as_bytes, check_blocks,
-                                 check_payload, dtype_name, gather_blocks_into, in_thread, output_tensor,
+                                 check_payload, dtype_name, gather_blocks_into, host_copy_, in_thread, output_tensor,
                                  transfer_failed)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
@@ -58,11 +58,11 @@ def size_class(nbytes: int, minimum: int) -> int:
 
 
 async def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src (same shape and dtype); big copies off the event loop."""
+    """dst[:] = src (same shape and dtype, host memory); big copies off the event loop."""
     if dst.numel() * dst.element_size() >= THREAD_COPY_BYTES:
-        await in_thread(dst.copy_, src)
+        await in_thread(host_copy_, dst, src)
     else:
-        dst.copy_(src)
+        host_copy_(dst, src)
 
 
 class _Segment:
@@ -74,7 +74,7 @@ class _Segment:
         self.name = self.shm.name
         self.header = np.frombuffer(self.shm.buf, dtype=np.uint64, count=3)
         self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=capacity, offset=HEADER_BYTES)
-        self.data.zero_()                      # pre-touch every page now, not during a transfer
+        self.data.numpy().fill(0)              # pre-touch every page now, not during a transfer (numpy: see host_copy_)
         self.header[:] = (MAGIC, 0, 0)
 
     def destroy(self) -> None:

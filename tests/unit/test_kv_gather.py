@@ -11,7 +11,7 @@ import torch
 
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import (THREAD_COPY_BYTES, check_blocks, gather_blocks_into, gather_via_device,
-                                 host_blocks, in_thread)
+                                 host_blocks, host_copy_, in_thread)
 
 IDS = [5, 2, 17, 9, 0]
 
@@ -77,3 +77,58 @@ async def test_in_thread_outlives_a_cancelled_caller():
 def test_thread_copy_threshold_is_shared():
     from shared.kv import transport_shm
     assert transport_shm.THREAD_COPY_BYTES == THREAD_COPY_BYTES == 4 << 20
+
+
+def _threads() -> set[str]:
+    import os
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_host_copies_start_no_thread_pool_on_the_calling_thread():
+    """A torch copy on a fresh thread starts an OpenMP pool there (torch's threads - 1 new threads, alive as long
+    as that thread); the host gather, copy and shm segment fill must not (a worker keeps one pool: its engine
+    thread's)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        c = cache(num_blocks=64, dtype=torch.float32)  # 64 x 6 KiB: past torch's parallel grain
+        ids = torch.arange(63, -1, -1)
+        out = torch.empty((64, *c.shape[1:]), dtype=c.dtype)
+
+        def grown_by(copy) -> int:
+            done, measured = threading.Event(), []
+
+            def run():
+                before = _threads()
+                copy()
+                measured.append(len(_threads() - before))  # threads started meanwhile (others may end)
+                done.set()
+            t = threading.Thread(target=run)
+            t.start()
+            done.wait(10)
+            t.join(10)
+            return measured[0]
+
+        assert grown_by(lambda: torch.index_select(c, 0, ids, out=out)) >= 1  # the check can see a pool start
+        assert grown_by(lambda: gather_blocks_into(c, ids, out)) == 0
+        assert torch.equal(out, c[ids])
+        dst = torch.empty_like(c)
+        assert grown_by(lambda: host_copy_(dst, c)) == 0
+        assert torch.equal(dst, c)
+        from shared.kv.transport_shm import _Segment
+        segments = []
+        assert grown_by(lambda: segments.append(_Segment(1 << 20))) == 0  # its pages are zero-filled up front
+        assert int(segments[0].data.sum()) == 0
+        segments[0].destroy()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_host_gather_handles_other_dtypes_and_no_blocks():
+    c = cache(dtype=torch.bfloat16)
+    ids = torch.tensor(IDS)
+    out = torch.empty((len(IDS), *c.shape[1:]), dtype=c.dtype)
+    assert torch.equal(gather_blocks_into(c, ids, out), c[ids])
+    empty = torch.empty((0, *c.shape[1:]), dtype=c.dtype)
+    assert gather_blocks_into(c, torch.zeros(0, dtype=torch.int64), empty).shape[0] == 0

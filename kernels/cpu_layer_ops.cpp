@@ -64,6 +64,11 @@ static void silu_mul_rows(const T* gu, int64_t rs, T* __restrict out, int64_t F,
   }
 }
 
+static inline bool on_cpu(std::initializer_list<const torch::Tensor*> ts) {
+  for (auto* t : ts) if (!t->device().is_cpu()) return false;
+  return true;
+}
+
 #define DEEPINFER_FLOATING(x, ...) \
   if ((x).scalar_type() == torch::kDouble) { using T = double; __VA_ARGS__; } \
   else { TORCH_CHECK((x).scalar_type() == torch::kFloat, "float32 or float64"); using T = float; __VA_ARGS__; }
@@ -71,7 +76,7 @@ static void silu_mul_rows(const T* gu, int64_t rs, T* __restrict out, int64_t F,
 // x [T, N] (rows contiguous), w [N] → x / sqrt(mean(x²) + eps) * w, [T, N] contiguous.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
-              w.scalar_type() == x.scalar_type(), "x [T,N] with contiguous rows, w [N] of x's dtype");
+              w.scalar_type() == x.scalar_type() && on_cpu({&x, &w}), "x [T,N] with contiguous rows, w [N] of x's dtype, on CPU");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t N = x.size(1);
   DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(N), [&](int64_t b, int64_t e) {
@@ -84,7 +89,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.sizes() == h.sizes() && delta.stride(1) == 1 &&
               w.dim() == 1 && w.size(0) == h.size(1) && w.is_contiguous() && w.scalar_type() == h.scalar_type() &&
-              delta.scalar_type() == h.scalar_type(), "h [T,N] contiguous, delta [T,N], w [N], one dtype");
+              delta.scalar_type() == h.scalar_type() && on_cpu({&h, &delta, &w}),
+              "h [T,N] contiguous, delta [T,N], w [N], one dtype, on CPU");
+  const char* hb = static_cast<const char*>(h.data_ptr());
+  const char* db = static_cast<const char*>(delta.data_ptr());
+  TORCH_CHECK(h.numel() == 0 || hb + h.numel() * h.element_size() <= db ||
+              db + ((delta.size(0) - 1) * delta.stride(0) + h.size(1)) * delta.element_size() <= hb,
+              "delta must not overlap h");
   auto out = torch::empty_like(h);
   const int64_t N = h.size(1);
   const int64_t ds = delta.stride(0);
@@ -97,8 +108,8 @@ torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor delta, torch::Tensor 
 
 // gate_up [T, 2F] (gate then up, rows contiguous) → silu(gate) * up, [T, F].
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "gate_up [T, 2F] with contiguous rows");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 && on_cpu({&gate_up}),
+              "gate_up [T, 2F] with contiguous rows, on CPU");
   const int64_t F = gate_up.size(1) / 2, rs = gate_up.stride(0);
   auto out = torch::empty({gate_up.size(0), F}, gate_up.options());
   DEEPINFER_FLOATING(gate_up, at::parallel_for(0, gate_up.size(0), row_grain(2 * F), [&](int64_t b, int64_t e) {
@@ -133,8 +144,10 @@ static void rope_rows(T* x, int64_t s0, int64_t s1, int64_t H, int64_t D, const 
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0 && cos.dim() == 2 && cos.sizes() == sin.sizes()
               && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous()
-              && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "x [T, heads, D] with contiguous D, cos/sin [T, D] contiguous, one dtype");
+              && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() && on_cpu({&x, &cos, &sin}),
+              "x [T, heads, D] with contiguous D, cos/sin [T, D] contiguous, one dtype, on CPU");
+  TORCH_CHECK(x.size(0) <= 1 || x.size(1) == 0 || x.stride(0) >= x.size(1) * x.stride(1), "rows of x must not overlap");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) >= x.size(2), "heads of x must not overlap");
   const int64_t H = x.size(1), D = x.size(2);
   DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(H * D), [&](int64_t b, int64_t e) {
     rope_rows<T>(x.data_ptr<T>(), x.stride(0), x.stride(1), H, D, cos.data_ptr<T>(), sin.data_ptr<T>(), b, e);

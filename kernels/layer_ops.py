@@ -4,7 +4,9 @@ SiLU-gated product of the MLP, and RoPE applied in place.
 On CPU in float32/float64 each runs as one pass of the C++ extension (kernels/cpu_layer_ops.cpp), instead
 of torch's 2-5 passes with temporaries; everywhere else (CUDA, half precision, no compiler, or
 ``DEEPINFER_DISABLE_CPP_KERNELS=1``) the torch reference below runs. Both compute the same math: RoPE is
-bit-identical; the norm and SiLU differ from torch in the last bits (summation order, a polynomial exp).
+bit-identical; the norm and SiLU differ from torch in the last bits (summation order, a polynomial exp whose
+argument is clamped at -87, so a gate below -87 gives a product within ~1e-36 of torch's, not equal to it).
+The kernels refuse (``RuntimeError``) tensors off the CPU, overlapping rows, and a ``delta`` overlapping ``h``.
 """
 from __future__ import annotations
 

@@ -62,7 +62,9 @@ class AsyncEngine:
         self._thread.start()
 
     def _build_and_run(self, build: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
-        try:
+        if not built.set_running_or_notify_cancel():  # the caller gave up before the build began
+            return
+        try:  # running from here on: a caller giving up now sets _stopping, and the loop below ends at once
             engine = build()
         except BaseException as err:
             built.set_exception(err)

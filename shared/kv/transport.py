@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STAGED_BYTES = 1 << 30   # 1 GiB of sender staging per transport instance
 DEFAULT_STAGE_TIMEOUT = 5.0          # seconds stage() waits for staging room before TRANSFER_FAILED
-THREAD_COPY_BYTES = 4 << 20          # copies at least this big run in a worker thread (torch copy drops the GIL)
+THREAD_COPY_BYTES = 4 << 20          # copies at least this big run in a worker thread (numpy's copy drops the GIL)
 
 
 def transfer_failed(message: str) -> DeepinferError:
@@ -99,7 +99,14 @@ def host_copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     Host copies here never use torch: its copy would start an OpenMP thread pool of the calling thread's own
     (the event loop, an executor thread), and a second pool in a worker process slows every engine step
     (``shared/engine/async_engine.py``). numpy copies on this thread alone and releases the GIL."""
+    _check_contiguous(dst, src)
     np.copyto(as_bytes(dst).numpy(), as_bytes(src).numpy(), casting="no")
+
+
+def _check_contiguous(*tensors: torch.Tensor) -> None:
+    """Byte views of these must be views (``as_bytes`` of a strided tensor would be a copy, and writes lost)."""
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("host copies need contiguous tensors")
 
 
 def gather_blocks_into(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -107,6 +114,7 @@ def gather_blocks_into(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
     a CPU cache is gathered straight into it on the calling thread (as ``host_copy_``), a device cache through
     ``gather_via_device``. ``ids`` are in range (``check_blocks``)."""
     if cache.device.type == "cpu":
+        _check_contiguous(cache, out)
         if not ids.numel():
             return out
         rows = as_bytes(cache).numpy().reshape(cache.shape[0], -1)           # [num_blocks, block bytes]

@@ -37,12 +37,19 @@ async def test_model_is_loaded_on_the_engine_thread_of_every_worker(nats_server,
     assert ids == reference_outputs(folder, [prompt], len(ids))[0]
 
 
-async def test_a_worker_whose_model_cannot_load_fails_to_start(nats_server, tmp_path):
+async def test_a_worker_whose_model_cannot_load_fails_to_start(nats_server, tmp_path, monkeypatch):
+    threads = []
+    load = LLMEngine.from_path.__func__
+
+    def recording_load(cls, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "from_path", classmethod(recording_load))
     worker = DecodeService(worker_config("decode", nats_server.url, tmp_path / "missing", "decode-bad"))
     with pytest.raises(DeepinferError) as err:
         await worker.start()
     assert err.value.code == ErrorCode.MODEL_NOT_FOUND and worker.nc.is_closed
-    for thread in threading.enumerate():
-        if thread.name == "engine":
-            thread.join(5.0)
-            assert not thread.is_alive()
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()
+    threads[0].join(5.0)
+    assert not threads[0].is_alive()  # the engine thread ended with its failed build

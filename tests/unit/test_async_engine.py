@@ -1,5 +1,6 @@
 """``AsyncEngine.launch``: the engine is built and stepped on one thread (one OpenMP pool per worker
 process), a failed build surfaces to the caller, and the launched engine serves requests."""
+import asyncio
 import threading
 
 import pytest
@@ -18,23 +19,25 @@ def model():
 
 
 async def test_build_and_steps_run_on_one_thread_that_is_not_the_loop(model):
-    built_on = []
+    built_on, stepped_on = [], set()
 
     def build() -> LLMEngine:
         built_on.append(threading.get_ident())
-        return LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=16))
+        engine = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=16))
+        step = engine.step
+
+        def recording_step():
+            stepped_on.add(threading.get_ident())
+            return step()
+        engine.step = recording_step
+        return engine
 
     aengine = await AsyncEngine.launch(build)
     try:
-        stepped_on = []
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-
-        def submit():
-            stepped_on.append(threading.get_ident())
-            aengine.engine.add_request([1, 2, 3], params, "r0")
-
-        outs = [out async for out in aengine.run("r0", submit, params.max_tokens + 1)]
-        assert built_on == stepped_on == [await aengine.call(threading.get_ident)]
+        outs = [out async for out in aengine.run("r0", lambda: aengine.engine.add_request([1, 2, 3], params, "r0"),
+                                                 params.max_tokens + 1)]
+        assert stepped_on == set(built_on) == {await aengine.call(threading.get_ident)}
         assert built_on[0] != threading.get_ident()
         tokens = [t for out in outs for t in out.new_token_ids]
         reference = LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=16)).generate([[1, 2, 3]], params)
@@ -43,16 +46,38 @@ async def test_build_and_steps_run_on_one_thread_that_is_not_the_loop(model):
         await aengine.stop()
 
 
-async def test_a_failed_build_raises_to_the_caller_and_leaves_no_engine_running():
+async def test_a_failed_build_raises_to_the_caller_and_its_thread_ends():
+    threads = []
+
     def build() -> LLMEngine:
+        threads.append(threading.current_thread())
         raise ValueError("no such model")
 
     with pytest.raises(ValueError, match="no such model"):
         await AsyncEngine.launch(build)
-    for thread in threading.enumerate():  # the engine thread ends once its build has failed
-        if thread.name == "engine":
-            thread.join(5.0)
-            assert not thread.is_alive()
+    threads[0].join(5.0)
+    assert not threads[0].is_alive()
+
+
+async def test_a_caller_giving_up_mid_build_leaves_the_thread_to_end_cleanly(model):
+    """Cancelled while the model loads: the build finishes, the thread sees the stop and ends (an exception on
+    that thread would fail this test: pytest turns unhandled thread exceptions into errors here)."""
+    started, release, threads = threading.Event(), threading.Event(), []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        started.set()
+        release.wait(10)
+        return LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=16))
+
+    task = asyncio.ensure_future(AsyncEngine.launch(build))
+    await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    threads[0].join(5.0)
+    assert not threads[0].is_alive()
 
 
 async def test_calls_before_launch_are_refused():

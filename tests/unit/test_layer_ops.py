@@ -71,6 +71,9 @@ def test_other_dtypes_and_layouts_take_the_torch_path():
     lambda: kernel.silu_mul(rand(3, 7)),                                    # odd width: no gate/up halves
     lambda: kernel.rope_(rand(3, 2, 8), rand(3, 6), rand(3, 6)),           # cos/sin of the wrong width
     lambda: kernel.rms_norm(rand(3, 8).half(), rand(8).half(), 1e-5),       # a dtype the kernel does not take
+    lambda: kernel.rms_norm(rand(3, 8), rand(8).to("meta"), 1e-5),          # a weight off the CPU
+    lambda: kernel.rope_(rand(3, 8).as_strided((3, 2, 8), (8, 4, 1)), rand(3, 8), rand(3, 8)),  # heads overlap
+    lambda: (lambda h: kernel.add_rms_norm_(h, h, rand(8), 1e-5))(rand(3, 8)),  # delta is h itself
 ])
 def test_the_kernel_rejects_malformed_input(bad):
     with pytest.raises(RuntimeError):

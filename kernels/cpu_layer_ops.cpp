@@ -4,24 +4,9 @@
 // Each op reads its input once and writes its output once (torch runs 2-5 passes with temporaries each).
 // Rows: the leading dimension, split over the engine's OpenMP threads; every row's last dimension is contiguous.
 
-// exp(-a) for a >= 0, float: Cephes' polynomial as in cpu_attention.cpp's exp_nonpositive (vectorises).
-static inline float layer_exp_neg(float a) {
-  float x = -a < -87.0f ? -87.0f : -a;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
+// exp(-a) for a >= 0: exp_nonpositive from cpu_attention.cpp (the two sources compile as one unit, that one
+// first) for float, libm for float64.
+static inline float layer_exp_neg(float a) { return exp_nonpositive(-a); }
 static inline double layer_exp_neg(double a) { return std::exp(-a); }
 
 static inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, row_elems)); }

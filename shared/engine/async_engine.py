@@ -3,7 +3,8 @@
 ``launch`` builds the engine on that same thread, so a worker process runs every parallel torch op on one
 thread and has one OpenMP thread pool. A second pool (the model loaded in an executor thread, a large copy
 on the event loop) makes libgomp count more threads than cores and stop its workers spinning between
-parallel regions: engine steps ran 14-45% slower on 2 cores (``benchmarks/e2e_services.py --prefill 0``).
+parallel regions. On 2 cores engine steps ran 10-45% slower, and the served path measured 0.77-0.84x of the
+in-process engine instead of 0.93-0.97x (``benchmarks/e2e_services.py --prefill 0``).
 
 The engine is not thread-safe, so every mutation (add, abort, import, export, release) is a command executed
 on the engine thread between steps. Commands go through a bounded queue: when it is full, callers get an

@@ -14,12 +14,11 @@ import pytest
 
 from shared import protocol
 from tests.chaos.harness import chaos_cluster, make_prompt, reference, stream_request
-from tests.chaos.test_kill_restart import LOST_CHUNKS_BUG, LOST_CHUNKS_REASON, quiet
+from tests.chaos.test_kill_restart import quiet
 from tests.integration.conftest import start_nats_server
 from tests.model_factory import write_tiny_hf_folder
 
 
-@pytest.mark.xfail(LOST_CHUNKS_BUG, strict=True, reason=LOST_CHUNKS_REASON)
 # Every phase scales with CPU load (2 cores: 38 s alone; 171 s next to 4 busy processes on a loaded machine, the
 # streams taking 82 s and the reference 46 s): cluster start (~6 s alone), the streams (4 x 3000 tokens, ~15 s
 # alone; the router ends them at their 90 s timeout_s, the client at 100 s), stop (~2 s), and the greedy reference

@@ -105,16 +105,17 @@ def main() -> None:
         args.mode = "local"
     label = f"services ({args.mode}{'/' + args.transport if args.mode == 'remote' else ''})"
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each, "
-          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker, {args.cache_tier} cache tier, {args.rounds} rounds")
+          f"{len(os.sched_getaffinity(0))} cores, {args.prefill} prefill + 1 decode worker, {args.cache_tier} cache "
+          f"tier, {args.rounds} rounds")
     ratios, ttft_ratios = [], []
+    runs = {"services": lambda: asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport,
+                                                             args.prefill, args.cache_tier)),
+            "engine": lambda: in_process(prompts, args.new_tokens)}
     for r in range(args.rounds):
-        def services():
-            return asyncio.run(through_services(prompts, args.new_tokens, args.mode, args.transport, args.prefill,
-                                                    args.cache_tier))
-        first, second = (services, lambda: in_process(prompts, args.new_tokens))[::1 if r % 2 == 0 else -1]
-        a, b = first(), second()
-        svc, eng = (a, b) if r % 2 == 0 else (b, a)
-        print(f"round {r + 1} ({'services' if r % 2 == 0 else 'engine'} first)")
+        order = ("services", "engine") if r % 2 == 0 else ("engine", "services")
+        results = {name: runs[name]() for name in order}
+        svc, eng = results["services"], results["engine"]
+        print(f"round {r + 1} ({order[0]} first)")
         report("  in-process engine", *eng)
         report("  " + label, *svc)
         ratios.append(svc[2] / svc[0] / (eng[2] / eng[0]))

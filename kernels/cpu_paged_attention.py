@@ -1,5 +1,5 @@
-"""Paged-attention decode (and the KV store beside it) for the CPU as a small C++ extension (compiled once with
-the machine's g++).
+"""Paged-attention decode (and the KV store and layer ops beside it: kernels/layer_ops.py) for the CPU as a small
+C++ extension (compiled once with the machine's g++).
 
 Why: the torch reference gathers every sequence's blocks padded to the longest context, then runs a
 masked SDPA; on a 2-core CPU that copy dominates a decode step. This kernel reads K/V in place through the

@@ -56,12 +56,6 @@ class AsyncEngine:
             raise
         return self
 
-    def start(self) -> None:
-        """Step an engine built elsewhere (tests; a process whose torch work all runs on this thread)."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
-
     def _build_and_run(self, build: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
         if not built.set_running_or_notify_cancel():  # the caller gave up before the build began
             return

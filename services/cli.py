@@ -25,7 +25,7 @@ import urllib.parse
 
 from tqdm import tqdm
 
-from services import cli_up
+from services import cli_node, cli_up
 from services.cli_up import DEMO_PROMPT
 from shared.client import generate_stream
 from shared import nats_auth, protocol
@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(demo)
 
     cli_up.add_parser(sub)
+    cli_node.add_parser(sub)
 
     from benchmarks import simulate_cmd, trace_bench
 
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_remote_generate(args) if args.url else run_generate(args)
         if args.command == "up":
             return cli_up.run(args, print)
+        if args.command == "node":
+            return cli_node.run(args, print)
         if args.command == "serve":
             return run_serve(args, extra)
         if args.command == "status":

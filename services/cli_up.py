@@ -67,17 +67,20 @@ def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
     if args.demo and spec.http_port < 0:
         emit("deepinfer: error: --demo goes through the HTTP API: drop --http-port -1", file=sys.stderr)
         return 2
-    return asyncio.run(_up(args, spec, emit))
+    return asyncio.run(serve(args, spec, emit))
 
 
-async def _up(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[..., None]) -> int:
+async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[..., None]) -> int:
+    """Start ``spec``'s services (``up``: a whole cluster; ``node``: one host's part), show the banner, run the
+    demo when asked, serve until SIGINT/SIGTERM, stop everything."""
     cluster = Cluster(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        emit(f"starting: nats-server, router, {spec.cache_tier} cache tier, {spec.prefill} prefill, {spec.decode} decode "
+        emit(f"starting: nats-server, {'router, ' if spec.router else ''}{spec.cache_tier} cache tier, "
+             f"{spec.prefill} prefill, {spec.decode} decode "
               f"(logs in {cluster.log_dir}) ...", flush=True)
         await cluster.start()
         emit(banner(cluster), flush=True)

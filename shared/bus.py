@@ -29,6 +29,7 @@ import nats
 from nats.aio.msg import Msg
 
 from shared import protocol, subjects
+from shared.config import nats_servers
 from shared.errors import DeepinferError, ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ MAX_INFLIGHT_HANDLERS = 4096  # work handlers running at once per service; more 
 
 async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None, *, user: str = "",
                   password: str = "") -> nats.NATS:
-    """Connect, retrying forever on later disconnects (services outlive NATS restarts). nats-py closes a
+    """Connect, retrying forever on later disconnects (services outlive NATS restarts). ``url`` may name several
+    servers, comma-separated (nodes of one NATS cluster): the first connect takes any that answers, and a lost
+    node is replaced by another of them (or one the cluster advertised since), subscriptions kept. nats-py closes a
     connection for good on a server ``-ERR``; ``on_closed`` hears every close (``ServiceRuntime`` turns one it
     did not ask for into a stop with a failing exit code, so a supervisor restarts the service instead of it
     living on deaf).
@@ -72,7 +75,8 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
             on_closed()
 
     auth: dict = {}
-    login = user or urllib.parse.unquote(urllib.parse.urlsplit(url).username or "")
+    servers = nats_servers(url)
+    login = user or urllib.parse.unquote(urllib.parse.urlsplit(servers[0]).username or "")
     if user:
         auth.update(user=user, password=password)
     if login:
@@ -80,7 +84,7 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
     refused: asyncio.Future = asyncio.get_running_loop().create_future()
     nc = nats.NATS()
     connecting = asyncio.ensure_future(nc.connect(
-        url, name=name, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
+        servers, name=name, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
         allow_reconnect=True, ping_interval=5, max_outstanding_pings=2, disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close, **auth))
     try:
@@ -92,7 +96,8 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
         await _abandon(nc, connecting)
         raise
     await _abandon(nc, connecting)  # refused: stop nats-py's retry loop
-    raise DeepinferError(ErrorCode.UNAVAILABLE, f"NATS at {urllib.parse.urlsplit(url).hostname} refused user "
+    hosts = ", ".join(str(urllib.parse.urlsplit(u).hostname) for u in servers)
+    raise DeepinferError(ErrorCode.UNAVAILABLE, f"NATS at {hosts} refused user "
                          f"{login or '(none)'!r}: authorization violation (check DEEPINFER_NATS_USER / "
                          "DEEPINFER_NATS_PASSWORD)")
 
@@ -113,8 +118,10 @@ async def reply_error(nc: nats.NATS, msg: Msg, err: DeepinferError) -> None:
 
 class ServiceRuntime:
     def __init__(self, nc: nats.NATS, info: protocol.WorkerInfo, *, heartbeat_s: float = 1.0,
-                 registry_ttl_s: float = 5.0, max_inflight: int = MAX_INFLIGHT_HANDLERS) -> None:
+                 registry_ttl_s: float = 5.0, max_inflight: int = MAX_INFLIGHT_HANDLERS,
+                 registry_replicas: int = 1) -> None:
         self.nc, self.info, self.max_inflight = nc, info, max_inflight
+        self.registry_replicas = registry_replicas  # when this service creates the bucket (R3 in a 3-node cluster)
         self.heartbeat_s, self.registry_ttl_s = heartbeat_s, registry_ttl_s
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT; the service then shuts down
         self.error_counts: dict[str, int] = {}
@@ -217,7 +224,8 @@ class ServiceRuntime:
             except Exception:
                 from nats.js.api import KeyValueConfig
                 self._kv = await js.create_key_value(KeyValueConfig(bucket=subjects.REGISTRY_BUCKET,
-                                                                    ttl=self.registry_ttl_s))
+                                                                    ttl=self.registry_ttl_s,
+                                                                    replicas=self.registry_replicas))
         try:
             await self._kv.put(self.info.worker_id, protocol.encode(self.info))
         except Exception:

@@ -25,6 +25,8 @@ class WorkerConfig:
     nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
     nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
+    host_id: str = ""  # same-host KV transports only between equal ids ("" = derived: shared/host_identity.py)
+    registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     model: str = ""  # GGUF file or HF folder; "" = default SmolLM2
     dtype: str = "auto"
     device: str = "auto"
@@ -51,6 +53,7 @@ class WorkerConfig:
     draft_timeout_s: float = 0.1  # draft=remote: a step waits at most this for proposals, then decodes plainly
 
     def __post_init__(self) -> None:
+        _check_cluster_fields(self)
         if self.tier_timeout_s <= 0 or self.tier_write_queue < 0:
             raise ValueError("tier_timeout_s must be positive and tier_write_queue >= 0")
         if self.draft not in ("", "local", "remote") or not 1 <= self.spec_k <= 16 or self.spec_max_batch < 1 \
@@ -71,6 +74,8 @@ class RouterConfig:
     nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
     nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
+    host_id: str = ""  # same-host KV transports only between equal ids ("" = derived: shared/host_identity.py)
+    registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     model: str = ""  # for the tokenizer; must be the workers' model
     local_prefill_threshold: int = 64  # prompts up to this many tokens prefill on the decode worker
     worker_dead_after_s: float = 3.0  # no heartbeat for this long = dead
@@ -94,6 +99,7 @@ class RouterConfig:
     user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
 
     def __post_init__(self) -> None:
+        _check_cluster_fields(self)
         from shared.kv.store.retention import RetentionPolicy
         from shared.sched.policies import POLICIES
         from shared.sched.profiles import PROFILES
@@ -121,6 +127,8 @@ class CacheTierConfig:
     nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
     nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
+    host_id: str = ""  # same-host KV transports only between equal ids ("" = derived: shared/host_identity.py)
+    registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     directory: str = ""  # SSD tier directory ("" = ~/.cache/deepinfer/cache-tier/<worker_id>)
     dram_mb: int = 1024
     ssd_mb: int = 65536
@@ -139,6 +147,7 @@ class CacheTierConfig:
     drain_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        _check_cluster_fields(self)
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"cache-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if not self.directory:
@@ -158,6 +167,8 @@ class DraftConfig:
     nats_user: str = ""  # NATS credentials of this service's role ("" = no auth); see shared/nats_auth.py
     nats_password: str = dataclasses.field(default="", repr=False)
     worker_id: str = ""
+    host_id: str = ""  # same-host KV transports only between equal ids ("" = derived: shared/host_identity.py)
+    registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     model: str = ""  # the target model (GGUF file or HF folder; "" = default SmolLM2): its id names the subject
     drafter: str = "self:8"  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
     window: int = 128  # a model drafter rebuilds its state from this many last tokens
@@ -168,10 +179,28 @@ class DraftConfig:
     drain_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        _check_cluster_fields(self)
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"draft-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if self.window < 1 or self.threads < 0 or self.heartbeat_s <= 0 or self.drain_grace_s < 0:
             raise ValueError("invalid draft service config")
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a ``nats_url``: one URL or several separated by commas (nodes of one NATS cluster)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+def _check_cluster_fields(config: Any) -> None:
+    servers = nats_servers(config.nats_url)
+    if not servers or any("://" not in u for u in servers):
+        raise ValueError(f"nats_url must be one or more comma-separated nats://host:port URLs, got {config.nats_url!r}")
+    if not 1 <= config.registry_replicas <= 5:
+        raise ValueError("registry_replicas must be 1..5 (JetStream's limit)")
+
+
+# Flags that may also be spelled another way on the command line (the vocabulary ``deepinfer up``/``node`` use).
+FLAG_ALIASES = {"nats_url": ("--nats",)}
 
 
 def _parse(kind: type, text: str) -> Any:
@@ -191,7 +220,7 @@ def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -
             values[f.name] = _parse(kinds[f.name], env)
     parser = argparse.ArgumentParser(prog=cls.__name__)
     for f in fields:
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+        parser.add_argument(f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None,
                             type=(lambda s, k=kinds[f.name]: _parse(k, s)))
     args = parser.parse_args(argv or [])
     values.update({k: v for k, v in vars(args).items() if v is not None})

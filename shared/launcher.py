@@ -23,60 +23,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
 
 from shared import nats_auth, protocol, subjects
 from shared.bus import connect
+from shared.cluster_spec import ClusterSpec
+from shared.nats_cluster import ROUTE_USER
 from shared.nats_server import EmbeddedNatsServer, free_port, start_embedded_server
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ClusterSpec:
-    prefill: int = 1
-    decode: int = 1
-    nats_url: str = ""  # "" = start an embedded nats-server
-    model: str = ""
-    dtype: str = "auto"
-    kv_cache_mb: int = 256
-    transports: str = "cuda_ipc,shm,nixl,stream"
-    local_prefill_threshold: int = 64
-    policy: str = "predictive"
-    ttft_slo_s: float = 0.0  # > 0: the router rejects (overloaded) requests predicted to miss it
-    extra_env: dict[str, str] = field(default_factory=dict)
-    start_timeout_s: float = 180.0
-    cache_tier: int = 1  # cache tier services (one per host by default; 0 = none)
-    cache_tier_dir: str = ""  # their SSD directories live under it ("" = a fresh temporary directory)
-    cache_tier_dram_mb: int = 1024
-    cache_tier_ssd_mb: int = 16384
-    draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
-    drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path
-    http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
-    api_keys: str = ""  # the router's API keys (``RouterConfig.api_keys``), passed in its environment only
-    http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP
-    metrics: bool = True  # every worker, tier and draft service serves Prometheus /metrics on a free port
-    auth: bool = False  # NATS users and per-role permissions (embedded server only; see shared/nats_auth.py)
-    tenants: list[str] = field(default_factory=list)  # with auth: one client user client-<tenant> each
-
-    temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
-
-    def __post_init__(self) -> None:
-        if self.auth and self.nats_url:
-            raise ValueError("auth needs the embedded nats-server (nats_url=''): its users are generated here")
-        if self.tenants and not self.auth:
-            raise ValueError("tenants need auth=True (a tenant is a NATS user)")
-        for tenant in self.tenants:
-            nats_auth.tenant_user(tenant)  # ValueError for a name that cannot be a user
-        if self.cache_tier and not self.cache_tier_dir:
-            self.cache_tier_dir = tempfile.mkdtemp(prefix="deepinfer-tier-")
-            self.temp_tier_dir = True
-
-    def tier_dir(self, index: int) -> str:
-        return os.path.join(self.cache_tier_dir, f"cache-{index}")
 
 
 class Cluster:
@@ -89,7 +46,8 @@ class Cluster:
         self.http_port = free_port(spec.http_host) if spec.http_port == 0 else spec.http_port
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
         # user -> password of this run ({} = no auth); never logged, never on a command line
-        self.passwords: dict[str, str] = nats_auth.generate_passwords(spec.tenants) if spec.auth else {}
+        self.passwords: dict[str, str] = (spec.passwords or nats_auth.generate_passwords(spec.tenants)) \
+            if spec.auth else {}
 
     @property
     def http_url(self) -> str:
@@ -120,7 +78,7 @@ class Cluster:
         name, password = self.credentials(user or (nats_auth.tenant_user(tenant) if tenant else "client"))
         if not name:
             return self.nats_url
-        return self.nats_url.replace("nats://", f"nats://{name}:{password}@", 1)
+        return self.nats_url.replace("nats://", f"nats://{name}:{password}@")
 
     async def connect_as(self, user: str, name: str = "") -> nats.NATS:
         """A connection as ``user`` (``shared.bus.connect``: its inbox prefix, reconnects); close it yourself."""
@@ -143,15 +101,24 @@ class Cluster:
                                             stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
         log.close()
 
+    def service_id(self, role: str, index: int) -> str:
+        """``<role>-<index>``, or ``<role>-<host name>-<index>`` on a named host of a multi-host cluster."""
+        return f"{role}-{self.spec.name}-{index}" if self.spec.name else f"{role}-{index}"
+
+    def _common_args(self, name: str) -> list[str]:
+        return ["--nats-url", self.nats_url, "--worker-id", name, "--registry-replicas",
+                str(self.spec.registry_replicas)]
+
     def spawn_worker(self, role: str, index: int) -> str:
         s = self.spec
-        name = f"{role}-{index}"
+        name = self.service_id(role, index)
         engines = max(1, s.prefill + s.decode)
         threads = max(1, len(os.sched_getaffinity(0)) // engines)
-        tier = ["--cache-tier", f"cache-{index % s.cache_tier}"] if s.cache_tier else []
+        tier_id = self.service_id("cache", index % s.cache_tier) if s.cache_tier else s.tier_id
+        tier = ["--cache-tier", tier_id] if tier_id else []
         if role == "decode" and s.draft:
             tier += ["--draft", "local" if s.draft == "local" else "remote", "--drafter", s.drafter]
-        self._spawn(name, f"services.{role}", ["--nats-url", self.nats_url, "--worker-id", name,
+        self._spawn(name, f"services.{role}", [*self._common_args(name),
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),
@@ -160,8 +127,8 @@ class Cluster:
 
     def spawn_draft(self, index: int) -> str:
         """Start draft service ``draft-<index>`` (one thread: it shares the machine with the engines)."""
-        s, name = self.spec, f"draft-{index}"
-        self._spawn(name, "services.draft", ["--nats-url", self.nats_url, "--worker-id", name, "--drafter",
+        s, name = self.spec, self.service_id("draft", index)
+        self._spawn(name, "services.draft", [*self._common_args(name), "--drafter",
                                              s.drafter, "--threads", "1", "--dtype", s.dtype,
                                              *self._metrics_args(name),
                                              *(["--model", s.model] if s.model else [])], 1, "draft")
@@ -169,8 +136,8 @@ class Cluster:
 
     def spawn_tier(self, index: int) -> str:
         """Start cache tier ``cache-<index>`` on its directory (kept across runs: the tier survives restarts)."""
-        s, name = self.spec, f"cache-{index}"
-        self._spawn(name, "services.cache_tier", ["--nats-url", self.nats_url, "--worker-id", name,
+        s, name = self.spec, self.service_id("cache", index)
+        self._spawn(name, "services.cache_tier", [*self._common_args(name),
                                                   "--directory", s.tier_dir(index),
                                                   "--dram-mb", str(s.cache_tier_dram_mb),
                                                   "--ssd-mb", str(s.cache_tier_ssd_mb),
@@ -180,10 +147,15 @@ class Cluster:
     async def start(self) -> None:
         s = self.spec
         if not self.nats_url:
-            self.server = start_embedded_server(users=nats_auth.users(self.passwords, s.tenants))
-            self.nats_url = self.server.url
-        self._spawn("router", "services.router", self.router_args(), 1, "router")
-        names = ["router"] + [self.spawn_tier(i) for i in range(s.cache_tier)]
+            users = nats_auth.users({u: p for u, p in self.passwords.items() if u != ROUTE_USER}, s.tenants)
+            self.server = start_embedded_server(host=s.nats_host, port=s.nats_port, users=users,
+                                                cluster=s.nats_cluster, store_dir=s.nats_store_dir or None)
+            self.nats_url = ",".join([self.server.url, *s.nats_peers])
+        names = []
+        if s.router:
+            self._spawn(self.router_name, "services.router", self.router_args(), 1, "router")
+            names.append(self.router_name)
+        names += [self.spawn_tier(i) for i in range(s.cache_tier)]
         names += [self.spawn_worker("prefill", i) for i in range(s.prefill)]
         names += [self.spawn_worker("decode", i) for i in range(s.decode)]
         if s.draft not in ("", "local"):
@@ -193,7 +165,7 @@ class Cluster:
     def respawn_router(self) -> None:
         """Start the router again under the same id and flags after its process exited (e.g. ``kill("router")``);
         the previous router's log is kept as ``router.log.<n>`` (n = 1, 2, …)."""
-        old = self.procs.get("router")
+        old = self.procs.get(self.router_name)
         if old is not None and old.poll() is None:
             raise RuntimeError("the router is still running")
         log = self.log_dir / "router.log"
@@ -202,12 +174,16 @@ class Cluster:
             while (self.log_dir / f"router.log.{n}").exists():
                 n += 1
             log.rename(self.log_dir / f"router.log.{n}")
-        self._spawn("router", "services.router", self.router_args(), 1, "router")
+        self._spawn(self.router_name, "services.router", self.router_args(), 1, "router")
+
+    @property
+    def router_name(self) -> str:
+        return f"router-{self.spec.name}" if self.spec.name else "router"
 
     def router_args(self) -> list[str]:
         """The router's command line (flags of ``RouterConfig``)."""
         s = self.spec
-        return ["--nats-url", self.nats_url, "--worker-id", "router",
+        return [*self._common_args(self.router_name),
                 "--local-prefill-threshold", str(s.local_prefill_threshold), "--policy", s.policy,
                 "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
                 *(["--model", s.model] if s.model else [])]

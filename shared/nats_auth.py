@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from shared import subjects as S
+from shared.nats_cluster import ROUTE_USER, NatsClusterNode
 
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
@@ -149,6 +150,26 @@ def password_env(user: str) -> str:
     return "NATS_PASSWORD_" + _check_name(user, "user").upper().replace("-", "_")
 
 
+def read_passwords(text: str, tenants: Sequence[str] = ()) -> dict[str, str]:
+    """User -> password from ``NATS_PASSWORD_<USER>=<password>`` lines (what ``env`` prints; ``#`` comments and
+    blank lines skipped). Every node of a multi-host cluster reads the same file: same users everywhere.
+    The route password (``NATS_PASSWORD_ROUTE``, printed by ``env --cluster``) comes back as ``route``."""
+    known = {password_env(u): u for u in [*user_names(tenants, monitor=True), ROUTE_USER]}
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        var, sep, value = line.partition("=")
+        if not sep or var.strip() not in known:
+            raise ValueError(f"not a NATS_PASSWORD_<USER>=... line of a known user: {var.strip()!r}")
+        found[known[var.strip()]] = value.strip()
+    missing = set(ROLES) - set(found)
+    if missing:
+        raise ValueError(f"passwords missing for {sorted(missing)}")
+    return found
+
+
 def compose_users(tenants: Sequence[str] = (), monitor: bool = False) -> list[NatsUser]:
     """Compose's users, passwords from the nats container's environment. The monitor (``deepinfer status``)
     only when asked: its ``NATS_PASSWORD_MONITOR`` must then be set too, or nats-server refuses the config."""
@@ -188,10 +209,14 @@ def _render_user(user: NatsUser) -> list[str]:
 
 
 def render_server_config(*, listen: str, max_payload: str = MAX_PAYLOAD, store_dir: str | None = None,
-                         http_port: int | None = None, users: Sequence[NatsUser] = ()) -> str:
+                         http_port: int | None = None, users: Sequence[NatsUser] = (),
+                         cluster: NatsClusterNode | None = None) -> str:
     """A nats-server config: ``listen``, ``max_payload``, JetStream in ``store_dir`` (None: off), monitoring on
-    ``http_port`` (None: off), and ``authorization`` with ``users`` (none: no authentication at all)."""
+    ``http_port`` (None: off), ``authorization`` with ``users`` (none: no authentication at all), and, for one
+    node of a NATS cluster, its ``server_name`` and routes (``shared/nats_cluster.py``)."""
     lines = [f"listen: {listen}", f"max_payload: {max_payload}"]
+    if cluster is not None:
+        lines += cluster.render()
     if http_port is not None:
         lines.append(f"http_port: {int(http_port)}")
     if store_dir is not None:
@@ -231,12 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["compose", "env"])
     parser.add_argument("--tenants", default="", help="comma-separated tenant names (users client-<tenant>)")
     parser.add_argument("--monitor", action="store_true", help="add the monitor user (deepinfer status)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="env: add the route password (NATS_PASSWORD_ROUTE) that joins the nodes of a cluster")
     args = parser.parse_args(argv)
     tenants = [t.strip() for t in args.tenants.split(",") if t.strip()]
     if args.what == "compose":
         sys.stdout.write(render_compose_config(tenants, args.monitor))
     else:
-        for name, pw in generate_passwords(tenants, monitor=args.monitor).items():
+        passwords = generate_passwords(tenants, monitor=args.monitor)
+        if args.cluster:
+            passwords[ROUTE_USER] = secrets.token_urlsafe(24)
+        for name, pw in passwords.items():
             sys.stdout.write(f"{password_env(name)}={pw}\n")
     return 0
 

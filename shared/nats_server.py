@@ -1,8 +1,9 @@
 """Start and stop a real ``nats-server`` process: used by ``deepinfer up`` (embedded server) and by tests.
 
 Invariants:
-- The server listens on loopback (``host``) at a fixed port chosen once at start (``port=0`` picks a free
-  one); ``restart()`` reuses the same port and JetStream store dir, so clients reconnect to the same URL
+- The server listens on ``host`` (loopback by default; a cluster node listens where its peers reach it, e.g.
+  ``0.0.0.0``, and ``url`` then names loopback for the local services) at a fixed port chosen once at start
+  (``port=0`` picks a free one); ``restart()`` reuses the same port and JetStream store dir, so clients reconnect to the same URL
   and JetStream state (streams, KV buckets) survives the restart.
 - ``start_embedded_server`` returns only once the server accepts TCP connections, or raises
   ``RuntimeError`` with the server's own log tail (timeout 10 s by default). No caller ever waits forever.
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shared.nats_auth import NatsUser, render_server_config
+from shared.nats_cluster import NatsClusterNode
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,9 @@ class EmbeddedNatsServer:
 
     def __init__(self, port: int = 0, store_dir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  jetstream: bool = True, max_payload: str = "8MB", binary: str | None = None,
-                 users: Sequence[NatsUser] = ()) -> None:
+                 users: Sequence[NatsUser] = (), cluster: NatsClusterNode | None = None) -> None:
         self.host = host
+        self.cluster = cluster
         self.users = tuple(users)
         self.port = port or free_port(host)
         self.jetstream = jetstream
@@ -82,7 +85,7 @@ class EmbeddedNatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"nats://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -91,7 +94,8 @@ class EmbeddedNatsServer:
     def _write_config(self) -> Path:
         conf = self._work / "nats.conf"
         text = render_server_config(listen=f"{self.host}:{self.port}", max_payload=self.max_payload,
-                                    store_dir=str(self.store_dir) if self.jetstream else None, users=self.users)
+                                    store_dir=str(self.store_dir) if self.jetstream else None, users=self.users,
+                                    cluster=self.cluster)
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -169,14 +173,16 @@ class EmbeddedNatsServer:
 
 def start_embedded_server(port: int = 0, store_dir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                           jetstream: bool = True, max_payload: str = "8MB",
-                          timeout: float = 10.0, users: Sequence[NatsUser] = ()) -> EmbeddedNatsServer:
+                          timeout: float = 10.0, users: Sequence[NatsUser] = (),
+                          cluster: NatsClusterNode | None = None) -> EmbeddedNatsServer:
     """Start a nats-server (JetStream on) and return once it accepts connections.
 
     ``port=0`` picks a free loopback port; ``store_dir=None`` uses a temporary dir removed by ``stop()``;
-    ``users`` (e.g. ``nats_auth.users(passwords)``) turn authentication and per-role permissions on.
+    ``users`` (e.g. ``nats_auth.users(passwords)``) turn authentication and per-role permissions on;
+    ``cluster`` makes it one node of a NATS cluster (``shared/nats_cluster.py``).
     """
     return EmbeddedNatsServer(port=port, store_dir=store_dir, host=host, jetstream=jetstream,
-                              max_payload=max_payload, users=users).start(timeout=timeout)
+                              max_payload=max_payload, users=users, cluster=cluster).start(timeout=timeout)
 
 
 @atexit.register

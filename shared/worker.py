@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import sys
 
+from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect
 from shared.config import WorkerConfig, load_config
@@ -85,7 +85,7 @@ class Worker(Service):
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
-        host = socket.gethostname()
+        host = host_id(c.host_id)
         if c.cache_tier:
             host_transports = {t: tr for t, tr in self.transports.items() if t != "cuda_ipc"}
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
@@ -94,7 +94,7 @@ class Worker(Service):
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0)
-        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s)
+        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
         await self.serve_handlers()
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)

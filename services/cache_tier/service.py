@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import sys
 import time
 
+from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.config import CacheTierConfig, load_config
@@ -43,7 +43,7 @@ GET_STAGE_TIMEOUT_S = 0.5  # a get waits at most this for staging room, then ans
 class CacheTierService(Service):
     def __init__(self, config: CacheTierConfig) -> None:
         self.config = config
-        self.host = socket.gethostname()
+        self.host = host_id(config.host_id)
         self.store: TieredBlockStore | None = None
         self.nc = None
         self.transports: dict = {}
@@ -73,7 +73,7 @@ class CacheTierService(Service):
                                              stage_timeout=GET_STAGE_TIMEOUT_S) for t in offered}
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="cache_tier", model_id="", host=self.host,
                                    pid=os.getpid(), transports=offered, block_size=0, started_at=time.time())
-        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s)
+        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
         rt = self.runtime
         await rt.serve(subjects.cache("put", c.worker_id), self.on_put)
         await rt.serve(subjects.cache("get", c.worker_id), self.on_get)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import sys
 import time
 
 import torch
 
+from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.config import DraftConfig, load_config
@@ -60,9 +60,10 @@ class DraftService(Service):
         model_id = target.config.model_id
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password)
-        info = protocol.WorkerInfo(worker_id=c.worker_id, role="draft", model_id=model_id, host=socket.gethostname(),
+        info = protocol.WorkerInfo(worker_id=c.worker_id, role="draft", model_id=model_id, host=host_id(c.host_id),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
-        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, max_inflight=MAX_INFLIGHT)
+        self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, max_inflight=MAX_INFLIGHT,
+                                      registry_replicas=c.registry_replicas)
         await self.runtime.serve(subjects.draft(subjects.safe_token(model_id)), self.on_draft, queue="drafters")
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": int(self._lock.locked()),

@@ -21,10 +21,10 @@ import asyncio
 import dataclasses
 import logging
 import os
-import socket
 import time
 import uuid
 
+from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.accounting import Ledger, Prices
@@ -76,9 +76,9 @@ class RouterService(Service):
                                 password=c.nats_password)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
                            on_failover=self.metrics.failover)
-        info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=socket.gethostname(),
+        info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=host_id(c.host_id),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
-        self.runtime = ServiceRuntime(self.nc, info)
+        self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")

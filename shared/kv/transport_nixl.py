@@ -21,7 +21,8 @@ Invariants:
 - Validity: the sender answers ``{"op": "check"}`` on subjects.kv_pull(...) while the transfer is staged.
   ``fetch`` checks before the READ (fast failure for released/unknown handles: "no responders") and after
   it (the bytes were read while staged, so they are the payload, not reused memory).
-- ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) unless set in the environment.
+- UCX chooses the network interfaces itself (cross-host READs go over whatever links the hosts share);
+  ``UCX_NET_DEVICES`` in the environment restricts it (e.g. ``eth0``, or ``mlx5_0:1`` for RDMA).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import asyncio
 import functools
 import importlib
 import logging
-import os
 import time
 import uuid
 
@@ -77,7 +77,6 @@ class NixlTransport(KVTransport):
         api = _nixl_api()
         if api is None:
             raise transfer_failed(f"NIXL is not installed or does not load here: {_IMPORT_ERROR}")
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self.poll_interval = poll_interval
         self.check_timeout = check_timeout
         self.agent_name = f"{subjects.safe_token(worker_id)}-{uuid.uuid4().hex[:8]}"

@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     node.add_argument("--nats-port", type=int, default=NATS_CLIENT_PORT, help="its client port")
     node.add_argument("--route-port", type=int, default=DEFAULT_ROUTE_PORT, help="its route port")
     node.add_argument("--store-dir", default=None, help="its JetStream directory (default: a temporary one)")
+    node.add_argument("--log-dir", default="", help="the services' log files (default: a temporary directory)")
     node.add_argument("--registry-replicas", type=int, default=0,
                       help="replicas of the registry bucket (default: the node count, at most 3)")
     auth = node.add_mutually_exclusive_group(required=True)
@@ -91,7 +92,7 @@ def node_spec(args: argparse.Namespace) -> ClusterSpec:
                        auth=bool(passwords), passwords=passwords, router=args.router, name=args.name,
                        nats_host=args.nats_host, nats_port=args.nats_port, nats_cluster=cluster,
                        nats_peers=peer_client_urls(join, args.nats_port), tier_id=args.tier,
-                       registry_replicas=replicas, nats_store_dir=args.store_dir or "")
+                       registry_replicas=replicas, nats_store_dir=args.store_dir or "", log_dir=args.log_dir)
 
 
 def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:

@@ -42,8 +42,9 @@ MAX_INFLIGHT_HANDLERS = 4096  # work handlers running at once per service; more 
 async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None, *, user: str = "",
                   password: str = "") -> nats.NATS:
     """Connect, retrying forever on later disconnects (services outlive NATS restarts). ``url`` may name several
-    servers, comma-separated (nodes of one NATS cluster): the first connect takes any that answers, and a lost
-    node is replaced by another of them (or one the cluster advertised since), subscriptions kept. nats-py closes a
+    servers, comma-separated (nodes of one NATS cluster), in order of preference (the host's own node first): the
+    first connect takes the first that answers, and a lost node is replaced by another of them (or one the
+    cluster advertised since), subscriptions kept. nats-py closes a
     connection for good on a server ``-ERR``; ``on_closed`` hears every close (``ServiceRuntime`` turns one it
     did not ask for into a stop with a failing exit code, so a supervisor restarts the service instead of it
     living on deaf).
@@ -84,7 +85,7 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
     refused: asyncio.Future = asyncio.get_running_loop().create_future()
     nc = nats.NATS()
     connecting = asyncio.ensure_future(nc.connect(
-        servers, name=name, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
+        servers, name=name, dont_randomize=True, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
         allow_reconnect=True, ping_interval=5, max_outstanding_pings=2, disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close, **auth))
     try:

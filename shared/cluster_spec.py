@@ -48,6 +48,7 @@ class ClusterSpec:
     nats_port: int = 0  # 0 = a free port
     nats_cluster: NatsClusterNode | None = None  # the embedded server is this node of a NATS cluster
     nats_store_dir: str = ""  # the embedded server's JetStream directory ("" = a temporary one)
+    log_dir: str = ""  # every service's log file goes here ("" = a fresh temporary directory)
     nats_peers: list[str] = field(default_factory=list)  # client URLs of the other nodes: services fail over there
     tier_id: str = ""  # the cache tier this host's workers use when it runs none ("" = none)
     registry_replicas: int = 1  # JetStream replicas of the registry bucket (3 in a 3-node cluster)

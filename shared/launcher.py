@@ -41,7 +41,8 @@ class Cluster:
         self.spec = spec
         self.server: EmbeddedNatsServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
-        self.log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-logs-"))
+        self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix="deepinfer-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.nats_url = spec.nats_url
         self.http_port = free_port(spec.http_host) if spec.http_port == 0 else spec.http_port
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -46,6 +46,14 @@ class CacheTierMetrics:
         self._op_seconds = Histogram(f"{P}_op_seconds", "Time to serve a put (fetch + store) or a get (lookup + "
                                      "staging)", ["worker", "op"], buckets=FAST_BUCKETS, registry=self.registry)
         self._op = BoundedLabel("op", cap=8)
+        self._transfer_blocks = Counter(f"{P}_transfer_blocks", "Blocks moved between a worker and the tier (put: "
+                                        "fetched from the worker; get: staged for it), by transport",
+                                        ["worker", "op", "transport"], registry=self.registry)
+        self._transport = BoundedLabel("transport", cap=8)
+
+    def transfer(self, op: str, transport: str, num_blocks: int) -> None:
+        self._transfer_blocks.labels(**self.labels, op=self._op(op), transport=self._transport(transport)).inc(
+            num_blocks)
 
     def watch(self, service: Any) -> None:
         """Read ``service``'s store, ledger and runtime at every scrape (``CacheTierCollector``); call once."""

@@ -40,7 +40,7 @@ class MultiHostCluster:
         return [sys.executable, "-m", "services.cli", "--log-level", "INFO", "node", "--name", name,
                 "--join", ",".join(others), "--passwords-file", str(self.passwords_file),
                 "--model", str(self.model), "--dtype", "float64", "--kv-cache-mb", "32",
-                "--store-dir", str(self.work / f"js-{name}"), "--cache-tier-dir", str(self.work / "tier"),
+                "--store-dir", str(self.work / f"js-{name}"), "--log-dir", str(self.work / f"logs-{name}"), "--cache-tier-dir", str(self.work / "tier"),
                 "--local-prefill-threshold", "0", *self.extra, *self.roles[name]]
 
     def start_node(self, name: str) -> None:
@@ -61,6 +61,10 @@ class MultiHostCluster:
                     raise RuntimeError(f"node {name} did not come up:\n{self.tail(name)}")
                 time.sleep(0.2)
 
+    def service_log(self, name: str, service: str) -> str:
+        path = self.work / f"logs-{name}" / f"{service}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def tail(self, name: str, n: int = 4000) -> str:
         return self.log(name).read_text(errors="replace")[-n:]
 
@@ -74,6 +78,17 @@ class MultiHostCluster:
         code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10).read().decode())"
         return subprocess.run(self.hosts.command(name, [sys.executable, "-c", code]), capture_output=True,
                               text=True, timeout=30, check=True).stdout
+
+    def registry(self, name: str) -> dict:
+        """The registry bucket's replica count and live keys, read through host ``name``'s NATS node."""
+        env = {"DEEPINFER_NATS_USER": "router", "DEEPINFER_NATS_PASSWORD": self.passwords["router"],
+               "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+        done = subprocess.run(self.hosts.command(name, [sys.executable, "-m", "tests.cluster.registry_probe",
+                                                        "nats://127.0.0.1:4222"]),
+                              capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"registry probe failed: {done.stderr[-2000:]}")
+        return json.loads(done.stdout)
 
     def client(self, name: str, jobs: list[dict], tag: str, timeout_s: float = 120.0) -> "ClientRun":
         """Start a client inside host ``name`` (its local NATS node, as the ``client`` user) sending ``jobs``."""

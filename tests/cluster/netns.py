@@ -20,6 +20,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class NamespaceError(RuntimeError):
@@ -93,7 +94,7 @@ class SimulatedHosts:
         """The pid of the process called ``comm`` (``/proc/<pid>/comm``) inside host ``name``."""
         for pid in self.pids(name):
             try:
-                if open(f"/proc/{pid}/comm").read().strip() == comm:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
                     return pid
             except OSError:
                 continue

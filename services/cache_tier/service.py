@@ -112,6 +112,7 @@ class CacheTierService(Service):
         check_put_handle(put, self.store.config.max_block_bytes)
         kv = await transport.fetch(put.handle, timeout=self.config.fetch_timeout_s)   # [n, *block_shape]
         blocks = to_blocks(put, kv)
+        self.metrics.transfer("put", put.transport, len(blocks))
         new = [b.block_hash for b in blocks if self.store.where(b.block_hash) is None]
         await self.store.put_many(blocks, put.retention)
         self.ledger.record_put(put.tenant, put.retention, len(blocks), sum(len(b.payload) for b in blocks))
@@ -153,6 +154,7 @@ class CacheTierService(Service):
         except DeepinferError as err:       # staging full or a duplicate transfer id: serve nothing
             logger.info("get %s: not staged: %s", get.transfer_id, err)
             return protocol.CacheGetReply(num_blocks=0)
+        self.metrics.transfer("get", name, len(found))
         loop = asyncio.get_running_loop()
         self._releases[get.transfer_id] = loop.call_later(
             self.config.stage_ttl_s, lambda: self.runtime.spawn(self._release(get.transfer_id)))

@@ -58,7 +58,8 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.auth and self.nats_url and not self.passwords:
-            raise ValueError("auth with an external nats-server needs its passwords (the users are not ours to make)")
+            raise ValueError("auth without the embedded nats-server needs that server's passwords "
+                             "(its users are not ours to make)")
         if self.tenants and not self.auth:
             raise ValueError("tenants need auth=True (a tenant is a NATS user)")
         for tenant in self.tenants:

@@ -1,0 +1,105 @@
+"""Multi-host configuration, no processes: host ids, NATS server lists, cluster nodes' configs (checked by
+``nats-server -t``), the passwords file every node reads, and ``deepinfer node``'s spec."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import pytest
+
+from services import cli_node
+from shared import host_identity, nats_auth
+from shared.config import RouterConfig, WorkerConfig, load_config, nats_servers
+from shared.nats_cluster import NatsClusterNode, route_url
+from shared.nats_server import find_nats_server
+
+
+def test_host_id_is_distinct_per_hostname_and_machine_and_stable():
+    a = host_identity.derive_host_id("node", "machine-1")
+    assert a == host_identity.derive_host_id("node", "machine-1")
+    assert a.startswith("node-")
+    assert a != host_identity.derive_host_id("node", "machine-2")  # same hostname on another machine
+    assert a != host_identity.derive_host_id("node2", "machine-1")  # another UTS namespace on one machine
+
+
+def test_host_id_configured_wins_then_environment(monkeypatch):
+    monkeypatch.setenv(host_identity.HOST_ID_ENV, "from-env")
+    assert host_identity.host_id() == "from-env"
+    assert host_identity.host_id("configured") == "configured"
+    monkeypatch.delenv(host_identity.HOST_ID_ENV)
+    assert host_identity.host_id() == host_identity.derive_host_id(
+        host_identity.socket.gethostname(), host_identity.machine_identity())
+
+
+def test_nats_url_takes_several_servers_and_the_short_flag(monkeypatch):
+    assert nats_servers("nats://a:4222, nats://b:4222,") == ["nats://a:4222", "nats://b:4222"]
+    config = load_config(RouterConfig, ["--nats", "nats://a:4222,nats://b:4222", "--registry-replicas", "3"])
+    assert config.nats_url == "nats://a:4222,nats://b:4222" and config.registry_replicas == 3
+    monkeypatch.setenv("DEEPINFER_NATS_URL", "nats://c:4222,nats://d:4222")
+    assert nats_servers(load_config(WorkerConfig, []).nats_url) == ["nats://c:4222", "nats://d:4222"]
+    with pytest.raises(ValueError, match="nats_url"):
+        RouterConfig(nats_url="a:4222")
+    with pytest.raises(ValueError, match="registry_replicas"):
+        RouterConfig(registry_replicas=7)
+
+
+def test_route_urls_and_cluster_block():
+    assert route_url("10.0.0.2") == "nats-route://10.0.0.2:6222"
+    assert route_url("nats-route://b:7000") == "nats-route://b:7000"
+    with pytest.raises(ValueError):
+        route_url("nats-route://user:pw@b:7000")  # credentials come from the node, not the address
+    node = NatsClusterNode("a", routes=("b", "c:7000"), route_password="secret")
+    text = "\n".join(node.render())
+    assert 'server_name: "a"' in text and 'user: "route"' in text
+    assert '"nats-route://route:secret@b:6222"' in text and '"nats-route://route:secret@c:7000"' in text
+    with pytest.raises(ValueError):
+        NatsClusterNode("a b")
+
+
+def test_nats_server_accepts_a_cluster_node_config(tmp_path):
+    passwords = nats_auth.generate_passwords()
+    conf = tmp_path / "node.conf"
+    conf.write_text(nats_auth.render_server_config(
+        listen="127.0.0.1:4222", store_dir=str(tmp_path / "js"), users=nats_auth.users(passwords),
+        cluster=NatsClusterNode("n1", listen="127.0.0.1:6222", routes=("127.0.0.1:6223",), route_password="pw")))
+    proc = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_passwords_file_round_trip_and_refusals():
+    passwords = {**nats_auth.generate_passwords(), "route": "r-pw"}
+    text = "# cluster.env\n" + "".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in passwords.items())
+    assert nats_auth.read_passwords(text) == passwords
+    with pytest.raises(ValueError, match="known user"):
+        nats_auth.read_passwords(text + "NATS_PASSWORD_NOBODY=x\n")
+    with pytest.raises(ValueError, match="missing"):
+        nats_auth.read_passwords("NATS_PASSWORD_ROUTER=x\n")
+
+
+def node_args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli_node.add_parser(parser.add_subparsers(dest="command"))
+    argv = ["node", "--name", "c", "--join", "10.0.0.1,10.0.0.2:7000", "--no-auth", "--decode", "2",
+            "--tier", "cache-a-0"]
+    return parser.parse_args(argv + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_node_spec_joins_the_cluster_and_names_its_services():
+    spec = cli_node.node_spec(node_args())
+    assert spec.nats_cluster.routes == ("nats-route://10.0.0.1:6222", "nats-route://10.0.0.2:7000")
+    assert spec.nats_peers == ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
+    assert spec.registry_replicas == 3 and not spec.router and spec.http_port == -1
+    assert spec.decode == 2 and spec.prefill == 0 and spec.tier_id == "cache-a-0" and not spec.auth
+    from shared.launcher import Cluster
+
+    cluster = Cluster(spec)
+    assert cluster.service_id("decode", 1) == "decode-c-1"
+
+
+def test_node_needs_the_route_password_with_auth(tmp_path):
+    env = tmp_path / "cluster.env"
+    env.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in nats_auth.generate_passwords().items()))
+    args = node_args()
+    args.no_auth, args.passwords_file = False, str(env)
+    with pytest.raises(ValueError, match="ROUTE"):
+        cli_node.node_spec(args)

@@ -27,6 +27,7 @@ test: venv
 bench: venv
 	$(PY) -m benchmarks.engine_throughput
 	$(PY) -m benchmarks.kv_transfer
+	$(PY) -m benchmarks.cross_host_kv
 	$(PY) -m benchmarks.e2e_services
 	$(PY) -m benchmarks.placement_latency
 	$(PY) -m benchmarks.cache_tier_io

@@ -118,10 +118,14 @@ async def _sender(url: str, transport: str, options: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- receiver (here)
 async def run_transport(url: str, transport: str, block_sizes: list[int], total: int, rounds: int, warmup: int,
-                        options: dict) -> list[dict]:
+                        options: dict, spawn_sender: bool = True,
+                        modes: tuple[str, ...] = ("payload", "blocks")) -> list[dict]:
+    """Rounds against a sender process: spawned here, or (``spawn_sender=False``) one already serving on ``url``
+    (on another simulated host: ``benchmarks/cross_host_kv.py``), which is stopped at the end either way."""
     import nats
     proc = mp.get_context("spawn").Process(target=sender_main, args=(url, transport, options), daemon=True)
-    proc.start()
+    if spawn_sender:
+        proc.start()
     nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=2)
     rx = make_transport(transport, nc, f"bench-rx-{transport}", **options)
     rows = []
@@ -132,10 +136,10 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
                 await nc.request(ctl("ping"), b"", timeout=1)
                 break
             except Exception:
-                if time.monotonic() > deadline or not proc.is_alive():
+                if time.monotonic() > deadline or (spawn_sender and not proc.is_alive()):
                     raise RuntimeError(f"{transport} sender process did not come up")
                 await asyncio.sleep(0.2)
-        for mode, block_bytes in [(m, b) for m in ("payload", "blocks") for b in block_sizes]:
+        for mode, block_bytes in [(m, b) for m in modes for b in block_sizes]:
             nblocks = total // block_bytes
             out = torch.empty(cache_shape(block_bytes, nblocks), dtype=torch.float16)
             out.zero_()                                               # pre-touched, like a worker's staging
@@ -174,8 +178,9 @@ async def run_transport(url: str, transport: str, block_sizes: list[int], total:
             log.warning("stopping sender: %r", exc)
         await rx.close()
         await nc.close()
-        proc.join(timeout=15)
-        if proc.is_alive():
+        if spawn_sender:
+            proc.join(timeout=15)
+        if spawn_sender and proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
     return rows

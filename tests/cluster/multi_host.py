@@ -8,6 +8,7 @@ waits; ``SimulatedHosts.teardown`` then kills whatever is left. Logs stay under 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from shared.nats_cluster import ROUTE_USER
 from tests.cluster.netns import SimulatedHosts
 
 ROOT = Path(__file__).resolve().parents[2]
+# The simulated hosts share one kernel: UCX would notice and move nixl's bytes through shared memory instead of
+# the link between the hosts. Real hosts cannot, so UCX is held to TCP (the veth link) here.
+SIMULATED_HOST_ENV = {**os.environ, "UCX_TLS": "tcp"}
 
 
 class MultiHostCluster:
@@ -46,7 +50,7 @@ class MultiHostCluster:
     def start_node(self, name: str) -> None:
         with open(self.log(name), "ab") as log:
             self.procs[name] = self.hosts.popen(name, self.node_argv(name), stdout=log, stderr=subprocess.STDOUT,
-                                                cwd=ROOT)
+                                                cwd=ROOT, env=SIMULATED_HOST_ENV)
 
     def start(self, timeout_s: float = 180.0) -> None:
         for name in self.roles:

@@ -2,7 +2,7 @@
 
 It starts this host's nats-server as one node of a NATS cluster (routes to the nodes named by ``--join``, the
 same users and permissions on every node from one ``--passwords-file``), then the services named for this host
-(``--router``, ``--prefill N``, ``--decode N``, ``--cache-tier N``, ``--draft N|local``). Services connect to the
+(``--router``, ``--prefill N``, ``--decode N``, ``--cache-tier N``, ``--draft local|remote``). Services connect to the
 local node first and to the other nodes' client URLs after it, so when the local node dies they reconnect to
 another one and keep their subscriptions. ``deepinfer up`` is the one-host case of the same launcher.
 
@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     node.add_argument("--tier", default="", metavar="ID",
                       help="the cache tier this host's workers use when it runs none (e.g. cache-b-0)")
     node.add_argument("--cache-tier-dir", default=str(Path.home() / ".cache" / "deepinfer" / "cache-tier"))
-    node.add_argument("--draft", default="", metavar="N|local")
+    cli_up.add_draft_args(node)
     node.add_argument("--drafter", default="prompt_lookup")
     node.add_argument("--model", default=None)
     node.add_argument("--dtype", default="auto")
@@ -75,7 +75,7 @@ def peer_client_urls(join: list[str], nats_port: int) -> list[str]:
     return [f"nats://{h}:{nats_port}" for h in hosts]
 
 
-def node_spec(args: argparse.Namespace) -> ClusterSpec:
+def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> ClusterSpec:
     """The ``ClusterSpec`` of this host's part (``ValueError`` for a bad combination)."""
     join = [j.strip() for j in args.join.split(",") if j.strip()]
     passwords = {} if args.no_auth else nats_auth.read_passwords(Path(args.passwords_file).read_text())
@@ -87,7 +87,7 @@ def node_spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", dtype=args.dtype,
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
-                       draft=args.draft, drafter=args.drafter, http_host=args.http_host,
+                       draft=cli_up.draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port if args.router else -1,
                        auth=bool(passwords), passwords=passwords, router=args.router, name=args.name,
                        nats_host=args.nats_host, nats_port=args.nats_port, nats_cluster=cluster,
@@ -98,7 +98,7 @@ def node_spec(args: argparse.Namespace) -> ClusterSpec:
 def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
     """``deepinfer node``; everything shown goes through ``emit``."""
     try:
-        spec = node_spec(args)
+        spec = node_spec(args, emit)
     except (ValueError, OSError) as err:
         emit(f"deepinfer: error: {err}", file=sys.stderr)
         return 2

@@ -35,8 +35,7 @@ def add_parser(sub) -> None:
                     help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
     up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
                     help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
-    up.add_argument("--draft", default="", metavar="N|local",
-                    help="speculative decoding: N draft services, or 'local' (a drafter inside each decode worker)")
+    add_draft_args(up)
     up.add_argument("--drafter", default="prompt_lookup",
                     help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
     up.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address")
@@ -51,13 +50,36 @@ def add_parser(sub) -> None:
     up.add_argument("--exit-after-demo", action="store_true")
 
 
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    """``--draft local|remote`` as a decode worker spells it, ``--draft-services N`` for ``remote``."""
+    parser.add_argument("--draft", default="", metavar="local|remote",
+                        help="speculative decoding: 'local' (a drafter inside each decode worker) or 'remote' "
+                             "(draft services; a number N is the old spelling of --draft remote --draft-services N)")
+    parser.add_argument("--draft-services", type=int, default=1, metavar="N",
+                        help="with --draft remote: draft services to start here (default 1)")
+
+
+def draft_spec(args: argparse.Namespace, emit: Callable[..., None]) -> str:
+    """``ClusterSpec.draft`` from the flags ("" | "local" | "<N>" services); ``ValueError`` for a bad value."""
+    value = args.draft.strip()
+    if value in ("", "local"):
+        return value
+    if value == "remote":
+        return str(max(0, args.draft_services)) if args.draft_services else ""
+    if value.isdigit():
+        emit(f"deepinfer: note: --draft {value} is deprecated; say --draft remote --draft-services {value}",
+             file=sys.stderr)
+        return value if int(value) else ""
+    raise ValueError(f"--draft must be local or remote, got {value!r}")
+
+
 def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
     """``deepinfer up``; everything shown goes through ``emit`` (``print``'s signature)."""
     try:  # auth: the embedded server only (a --nats server's users are not ours to make)
         spec = ClusterSpec(prefill=args.prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                            kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                            policy=args.policy, ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier,
-                           cache_tier_dir=args.cache_tier_dir, draft=args.draft, drafter=args.drafter,
+                           cache_tier_dir=args.cache_tier_dir, draft=draft_spec(args, emit), drafter=args.drafter,
                            http_host=args.http_host, http_port=args.http_port, api_keys=args.api_keys,
                            auth=not args.no_auth and not args.nats,
                            tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])

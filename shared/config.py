@@ -200,7 +200,9 @@ def _check_cluster_fields(config: Any) -> None:
 
 
 # Flags that may also be spelled another way on the command line (the vocabulary ``deepinfer up``/``node`` use).
-FLAG_ALIASES = {"nats_url": ("--nats",)}
+# A worker's ``--tier <id>`` names the tier it uses, as ``deepinfer node --tier`` does (``--cache-tier N`` counts the
+# tiers ``up``/``node`` start; a worker's ``--cache-tier <id>`` is the older spelling, still accepted).
+FLAG_ALIASES = {"nats_url": ("--nats",), "cache_tier": ("--tier",)}
 
 
 def _parse(kind: type, text: str) -> Any:

@@ -103,3 +103,21 @@ def test_node_needs_the_route_password_with_auth(tmp_path):
     args.no_auth, args.passwords_file = False, str(env)
     with pytest.raises(ValueError, match="ROUTE"):
         cli_node.node_spec(args)
+
+
+def test_one_vocabulary_for_tiers_and_drafts():
+    worker = load_config(WorkerConfig, ["--tier", "cache-b-0"])
+    assert worker.cache_tier == "cache-b-0"  # a worker names its tier as deepinfer node --tier does
+    assert load_config(WorkerConfig, ["--cache-tier", "cache-b-0"]).cache_tier == "cache-b-0"  # old spelling
+    from services import cli_up
+
+    notes = []
+
+    def spec(draft: str, services: int = 1) -> str:
+        return cli_up.draft_spec(argparse.Namespace(draft=draft, draft_services=services),
+                                 lambda *a, **k: notes.append(a[0]))
+    assert spec("") == "" and spec("local") == "local"
+    assert spec("remote") == "1" and spec("remote", 3) == "3"
+    assert spec("2") == "2" and "deprecated" in notes[-1]
+    with pytest.raises(ValueError, match="local or remote"):
+        spec("sometimes")

@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
     node.add_argument("--dtype", default="auto")
     node.add_argument("--local-prefill-threshold", type=int, default=64)
     node.add_argument("--kv-cache-mb", type=int, default=256)
-    node.add_argument("--transports", default="cuda_ipc,shm,nixl,stream")
+    node.add_argument("--transports", default="cuda_ipc,shm,nixl,tcp,stream")
     node.add_argument("--http-host", default="0.0.0.0")
     node.add_argument("--http-port", type=int, default=8000)
 

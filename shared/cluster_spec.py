@@ -23,7 +23,7 @@ class ClusterSpec:
     model: str = ""
     dtype: str = "auto"
     kv_cache_mb: int = 256
-    transports: str = "cuda_ipc,shm,nixl,stream"
+    transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"
     ttft_slo_s: float = 0.0  # > 0: the router rejects (overloaded) requests predicted to miss it

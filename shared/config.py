@@ -35,7 +35,7 @@ class WorkerConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
-    transports: str = "cuda_ipc,shm,nixl,stream"  # offered (when available here), in preference order
+    transports: str = "cuda_ipc,shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     handoff_timeout_s: float = 30.0
@@ -135,7 +135,7 @@ class CacheTierConfig:
     segment_mb: int = 64
     fsync: str = "batch"  # always | batch | never (see shared/kv/store/config.py)
     retention: str = "chat=7d,agent=3d,none=0"  # class=ttl list; the deployment's retention classes
-    transports: str = "shm,nixl,stream"  # offered (when available here), in preference order
+    transports: str = "shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     gc_interval_s: float = 60.0  # GC (expiry + compaction) and KV-event removals this often

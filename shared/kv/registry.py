@@ -1,8 +1,8 @@
 """The KV transport registry: which transports exist, which are usable here, and how to build one.
 
 Invariants:
-- Names are ``shm``, ``stream``, ``nixl`` and ``cuda_ipc``; ``available_transports()`` keeps this order
-  (the workers' preference order) and lists ``shm`` and ``stream`` always.
+- Names are ``shm``, ``stream``, ``tcp``, ``nixl`` and ``cuda_ipc``; ``available_transports()`` keeps this
+  order and lists ``shm``, ``stream`` and ``tcp`` always (services prefer what their ``transports`` config says).
 - Importing this module is cheap and cycle-free: the transport modules import only the base
   (``shared.kv.transport``), never this registry; the NIXL library and CUDA are probed only when
   ``available_transports``/``make_transport`` is called.
@@ -19,19 +19,21 @@ from shared.kv.transport_cuda_ipc import CudaIpcTransport
 from shared.kv.transport_nixl import NixlTransport
 from shared.kv.transport_shm import ShmTransport
 from shared.kv.transport_stream import StreamTransport
+from shared.kv.transport_tcp import TcpTransport
 
 _FACTORIES: dict[str, Callable[..., KVTransport]] = {
-    "shm": ShmTransport, "stream": StreamTransport, "nixl": NixlTransport, "cuda_ipc": CudaIpcTransport,
+    "shm": ShmTransport, "stream": StreamTransport, "tcp": TcpTransport, "nixl": NixlTransport,
+    "cuda_ipc": CudaIpcTransport,
 }
 
 _AVAILABLE: dict[str, Callable[[], bool]] = {
-    "shm": lambda: True, "stream": lambda: True, "nixl": transport_nixl.nixl_available,
+    "shm": lambda: True, "stream": lambda: True, "tcp": lambda: True, "nixl": transport_nixl.nixl_available,
     "cuda_ipc": transport_cuda_ipc.available,
 }
 
 
 def available_transports() -> list[str]:
-    """Transports usable in this process: ``shm`` and ``stream`` always, ``nixl`` when its library imports,
+    """Transports usable in this process: ``shm``, ``stream`` and ``tcp`` always, ``nixl`` when its library imports,
     ``cuda_ipc`` when CUDA is available."""
     return [name for name, ok in _AVAILABLE.items() if ok()]
 

@@ -25,7 +25,7 @@ from tests.model_factory import write_tiny_hf_folder
 pytestmark = pytest.mark.timeout(600)
 ROLES = {"a": ["--router", "--cache-tier", "1"], "b": ["--prefill", "1", "--decode", "1", "--tier", "cache-a-0"],
          "c": ["--decode", "2", "--tier", "cache-a-0"]}
-CROSS_HOST = ("nixl", "stream")
+CROSS_HOST = ("nixl", "tcp", "stream")
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def request(prompt, **kw) -> protocol.GenerateRequest:
                                     temperature=0.0, ignore_eos=True, timeout_s=60.0, **kw)
 
 
-@pytest.mark.parametrize("mode", [*(t for t in ("shm", "stream", "nixl") if t in available_transports()), "local"])
+@pytest.mark.parametrize("mode", [*(t for t in ("shm", "stream", "tcp", "nixl") if t in available_transports()), "local"])
 async def test_greedy_equals_single_process_engine(nats_server, folder, prompts_and_reference, mode):
     prompts, expected = prompts_and_reference
     kw = {"prefill_mode": "local"} if mode == "local" else {"prefill_mode": "remote", "transport": mode}

@@ -233,8 +233,8 @@ async def test_closed_transport_refuses(nc):
 
 
 def test_registry():
-    assert {"shm", "stream"} <= set(TRANSPORTS)
-    assert TRANSPORTS == [t for t in ("shm", "stream", "nixl", "cuda_ipc") if t in TRANSPORTS]   # preference
+    assert {"shm", "stream", "tcp"} <= set(TRANSPORTS)
+    assert TRANSPORTS == [t for t in ("shm", "stream", "tcp", "nixl", "cuda_ipc") if t in TRANSPORTS]
     with pytest.raises(DeepinferError) as ei:
         make_transport("carrier-pigeon", None, "w")
     assert ei.value.code is ErrorCode.INVALID_REQUEST

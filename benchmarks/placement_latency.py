@@ -28,7 +28,7 @@ from shared.sched.policies import POLICIES, make_policy
 from shared.sched.types import ClusterView, RequestInfo, WorkerView
 
 BLOCK, WORKERS, FAMILIES, PREFIX_BLOCKS, CONV_BLOCKS, REPLICAS = 16, 64, 128, 16, 48, 2
-MODEL = "bench-model"
+MODEL = "0123456789abcdef0123456789abcdef"  # a model fingerprint (shared/model/fingerprint.py)
 
 
 def tokens(family: int, conv: int | None, blocks: int, tail: int = 0) -> list[int]:
@@ -48,7 +48,7 @@ def build_index(target_entries: int, rng: random.Random) -> tuple[KVIndex, list[
     convs: list[tuple[int, int]] = []
     while index.stats()["entries"] - cache_entries < target_entries:  # worker entries only
         family, conv = rng.randrange(FAMILIES), len(convs)
-        hashes = hash_prompt_blocks(tokens(family, conv, CONV_BLOCKS), BLOCK, MODEL, parent_hashes=prefixes[family])
+        hashes = hash_prompt_blocks(tokens(family, conv, CONV_BLOCKS), BLOCK, MODEL)
         for w in rng.sample(sorted(seq), REPLICAS):
             seq[w] += 1
             index.apply(KVEvent(worker_id=w, seq=seq[w], kind="stored", block_hashes=hashes))

@@ -21,6 +21,7 @@ class ErrorCode(str, Enum):
     WORKER_LOST = "worker_lost"              # a worker died mid-request (HTTP 502)
     TRANSFER_FAILED = "transfer_failed"      # KV hand-off failed
     UNAVAILABLE = "unavailable"              # no worker can serve the request now (HTTP 503)
+    MODEL_MISMATCH = "model_mismatch"        # KV or work of another model build (fingerprint): refused (HTTP 502)
     INTERNAL = "internal"                    # a bug: logged with a traceback (HTTP 500)
 
 
@@ -29,7 +30,7 @@ HTTP_STATUS = {
     ErrorCode.MODEL_CORRUPT: 500, ErrorCode.UNSUPPORTED_VERSION: 400, ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.OVERLOADED: 429, ErrorCode.TIMEOUT: 504, ErrorCode.CANCELLED: 499,
     ErrorCode.WORKER_LOST: 502, ErrorCode.TRANSFER_FAILED: 502, ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.INTERNAL: 500,
+    ErrorCode.MODEL_MISMATCH: 502, ErrorCode.INTERNAL: 500,
 }
 
 

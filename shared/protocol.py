@@ -10,7 +10,9 @@ over the per-type byte limit. ``encode`` enforces the same byte limits, so a sen
 
 The cluster's control-plane messages (heartbeats, registry entries, KV events and snapshots, request probes)
 are defined in ``shared.protocol_control``, the cache tier's and the stats messages in ``shared.protocol_cache``,
-the draft service's in ``shared.protocol_draft``; all are re-exported here: import every message from this module.
+the draft service's in ``shared.protocol_draft``, the worker path's (``Sampling``, ``PrefillRequest``,
+``KVHandoff``, ``DecodeLocalRequest``) in ``shared.protocol_work``; all are re-exported here: import every
+message from this module.
 
 Errors over NATS: a service answers a failed request with ``encode(ErrorReply.from_exception(err))`` as the
 body and ``error_headers(err)`` as headers; callers use ``decode_reply`` to get the message or the raised
@@ -18,15 +20,14 @@ error. On a token stream the error is instead a final ``TokenChunk.from_error(..
 """
 from __future__ import annotations
 
-import math
 from typing import Any, TypeVar
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.sampling_rules import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
-from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
-                                _check_worker, _require)
+from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_tokens, _require
 from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES, ROLES, KVEvent, KVSnapshot,
                                      LoadReport, RequestProbe, WorkerInfo)
+from shared.protocol_work import (DTYPES, MAX_PROMPT_TOKENS, DecodeLocalRequest, KVHandoff, PrefillRequest,
+                                  Sampling)
 from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
                                    StatsRequest)
 from shared.protocol_draft import DraftReply, DraftRequest
@@ -38,16 +39,13 @@ __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CH
            "CancelRequest", "PrefillRequest", "KVHandoff", "DecodeLocalRequest", "RequestProbe", "Ack", "ErrorReply",
            "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
            "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply", "DraftRequest",
-           "DraftReply"]
+           "DraftReply", "DTYPES", "MAX_PROMPT_TOKENS"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
-MAX_PROMPT_TOKENS = 1_000_000
 MAX_CHAT_MESSAGES = 1000
 
 PREFILL_MODES = ("auto", "remote", "local")
-DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-          "int64", "int32", "int16", "int8", "uint8")
 
 T = TypeVar("T")
 
@@ -60,29 +58,6 @@ def _error(code: str, message: str) -> DeepinferError:
 
 
 # ---- messages ------------------------------------------------------------------------------------------
-
-@wire_message(MAX_CONTROL_BYTES)
-class Sampling(WireModel):
-    """A request's sampling parameters, nested in every internal message that carries a request. The router
-    builds it once from the client's request (``GenerateRequest.sampling()``); it travels unchanged through
-    prefill and hand-off; each engine turns it into its ``SamplingParams`` once. Rules:
-    ``shared/sampling_rules.py`` (the same ones the engine runs)."""
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    speculative: bool | None = None  # speculative decoding; None = the decode worker's default
-
-    def _check(self) -> None:
-        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                       top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                       min_tokens=self.min_tokens)
-
 
 @wire_message(MAX_REQUEST_BYTES)
 class GenerateRequest(WireModel):
@@ -174,89 +149,6 @@ class CancelRequest(WireModel):
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id)
-
-
-class _SamplingChecks:
-    """Rules shared by the internal requests that carry a prompt and sampling for one request."""
-    __slots__ = ()
-
-    def _check_common(self) -> None:
-        _check_id("request_id", self.request_id)
-        _check_id("cache_salt", self.cache_salt, allow_empty=True)
-        _check_id("retention", self.retention)
-        _check_tokens("prompt_token_ids", self.prompt_token_ids)
-        _check_subject("reply_to", self.reply_to)
-
-
-@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
-class PrefillRequest(WireModel, _SamplingChecks):
-    """Router -> prefill worker: prefill, sample the first token, hand the KV to ``decode_worker``."""
-    request_id: str
-    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: Sampling
-    decode_worker: str
-    transport: str
-    reply_to: str                   # subject receiving TokenChunks
-    cache_salt: str = ""
-    deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
-    retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
-
-    def _check(self) -> None:
-        self._check_common()
-        _check_worker("decode_worker", self.decode_worker)
-        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
-
-
-@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt, like PrefillRequest
-class KVHandoff(WireModel, _SamplingChecks):
-    """Prefill worker -> decode worker: KV of ``num_blocks`` blocks of ``block_shape`` / ``dtype`` is
-    available through ``transport`` / ``handle``; decoding continues after ``first_token``."""
-    request_id: str
-    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    first_token: int
-    sampling: Sampling
-    reply_to: str
-    cache_salt: str
-    num_blocks: int
-    block_shape: list[int]          # ONE block, e.g. [num_layers, 2, block_size, kv_heads, head_dim]
-    dtype: str                      # torch dtype name without "torch.", e.g. "float32"
-    transport: str
-    handle: dict[str, Any]          # transport-specific
-    num_cached_tokens: int = 0
-    ttft_ms: float = 0.0
-    prefill_worker: str = ""
-    retention: str = "none"
-    tier_cached_tokens: int = 0     # of num_cached_tokens, pulled from the cache tier
-
-    def _check(self) -> None:
-        self._check_common()
-        _check_range("first_token", self.first_token, 0)
-        _check_range("num_blocks", self.num_blocks, 0)
-        _require(bool(self.block_shape) and min(self.block_shape) > 0,
-                 "field 'block_shape': must be a non-empty list of positive ints")
-        _check_one_of("dtype", self.dtype, DTYPES)
-        _require(bool(self.transport), "field 'transport': must not be empty")
-        _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
-        _check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
-        _check_range("ttft_ms", self.ttft_ms, 0.0)
-        if self.prefill_worker:
-            _check_worker("prefill_worker", self.prefill_worker)
-
-
-@wire_message(MAX_MESSAGE_BYTES)
-class DecodeLocalRequest(WireModel, _SamplingChecks):
-    """Router -> decode worker: prefill locally (conditional disaggregation), then decode."""
-    request_id: str
-    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: Sampling
-    reply_to: str
-    cache_salt: str = ""
-    deadline_s: float = 60.0
-    retention: str = "none"
-
-    def _check(self) -> None:
-        self._check_common()
-        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
 
 
 @wire_message(MAX_CONTROL_BYTES)

@@ -3,16 +3,24 @@
 from ``shared.protocol``, which re-exports them.
 
 Put (worker -> tier): the worker stages ``[n, *block_shape]`` KV through one of its KV transports and sends
-``CachePut`` with the blocks' chained hashes and tokens; the tier fetches, stores, and replies ``Ack`` — then
-the worker releases its staging. Get (worker -> tier): ``CacheGet`` names the prompt blocks the worker lacks;
-the tier replies ``CacheGetReply`` with the leading run it holds (tokens compared, unexpired, same layout),
-staged through a transport the worker offered; the worker fetches and publishes ``CacheRelease`` (the tier
-also releases on its own after a timeout, so a vanished worker leaks nothing).
+``CachePut`` with the blocks' keys, chained digests, tokens and model fingerprint; the tier fetches, stores, and
+replies ``Ack`` — then the worker releases its staging. Get (worker -> tier): ``CacheGet`` names the prompt
+blocks the worker lacks the same way; the tier replies ``CacheGetReply`` with the leading run it holds (digest,
+model fingerprint and tokens compared, unexpired, same layout), staged through a transport the worker offered,
+and the fingerprint of what it staged; the worker fetches and publishes ``CacheRelease`` (the tier also
+releases on its own after a timeout, so a vanished worker leaks nothing).
+
+Identity (``shared/kv/block_hash.py``): ``block_hashes`` are 64-bit keys, ``block_digests`` the blocks' 32-byte
+chained digests concatenated, and each key must be its digest's. Both identity fields are optional as a pair: a
+sender that gives neither (older versions, tools) stores and finds only blocks put the same way, a namespace no
+current worker reads, so a block is only ever served to a get naming the same digest and the same build.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from shared.kv.block_hash import DIGEST_BYTES, block_key, unpack_digests
+from shared.protocol_control import _check_fingerprint
 from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
@@ -48,6 +56,21 @@ class _BlockList:
         _check_one_of("dtype", self.dtype, KV_DTYPES)
         _require(0 < len(self.block_shape) <= MAX_SHAPE_DIMS and min(self.block_shape) > 0,
                  f"field 'block_shape': must be 1..{MAX_SHAPE_DIMS} positive ints")
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        _require(bool(self.block_digests) == bool(self.model_fingerprint),
+                 "fields 'block_digests' and 'model_fingerprint' are given together or not at all")
+        if self.block_digests:
+            _require(len(self.block_digests) == DIGEST_BYTES * len(self.block_hashes),
+                     f"field 'block_digests': {len(self.block_digests)} bytes for {len(self.block_hashes)} blocks "
+                     f"of {DIGEST_BYTES}")
+            keys = [block_key(d) for d in unpack_digests(self.block_digests, len(self.block_hashes))]
+            _require(keys == self.block_hashes, "field 'block_hashes': each must be its digest's key")
+
+    def digests(self) -> list[bytes]:
+        """One digest per block (``b""`` each when the sender gave none)."""
+        if not self.block_digests:
+            return [b""] * len(self.block_hashes)
+        return unpack_digests(self.block_digests, len(self.block_hashes))
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -65,6 +88,8 @@ class CachePut(WireModel, _BlockList):
     transport: str
     handle: dict[str, Any]
     tenant: str = ""
+    block_digests: bytes = b""        # DIGEST_BYTES per block, in block order
+    model_fingerprint: str = ""       # the build that computed the KV
 
     def _check(self) -> None:
         self._check_blocks()
@@ -86,6 +111,8 @@ class CacheGet(WireModel, _BlockList):
     transports: list[str] = wire_field(max_len=8)
     host: str = ""
     tenant: str = ""
+    block_digests: bytes = b""
+    model_fingerprint: str = ""       # the asking worker's build: only its blocks are served
 
     def _check(self) -> None:
         self._check_blocks()
@@ -95,14 +122,17 @@ class CacheGet(WireModel, _BlockList):
 @wire_message(MAX_CACHE_CONTROL_BYTES)
 class CacheGetReply(WireModel):
     """Tier -> worker: ``num_blocks`` leading blocks (``dram_blocks`` served from DRAM, ``ssd_blocks`` from
-    SSD) staged as ``[num_blocks, *block_shape]`` through ``transport`` / ``handle`` (empty when 0)."""
+    SSD) of the build ``model_fingerprint`` staged as ``[num_blocks, *block_shape]`` through ``transport`` /
+    ``handle`` (empty when 0). A worker imports them only if that is its own build."""
     num_blocks: int
     dram_blocks: int = 0
     ssd_blocks: int = 0
     transport: str = ""
     handle: dict[str, Any] = wire_field(default_factory=dict)
+    model_fingerprint: str = ""
 
     def _check(self) -> None:
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
         _check_range("num_blocks", self.num_blocks, 0, MAX_TIER_BLOCKS)
         _require(self.dram_blocks >= 0 and self.ssd_blocks >= 0
                  and self.dram_blocks + self.ssd_blocks == self.num_blocks,

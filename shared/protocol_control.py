@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from shared.model.fingerprint import FINGERPRINT_HEX, is_fingerprint
 from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_message
 
@@ -13,6 +14,13 @@ MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entri
 ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
 KV_TIERS = ("device", "host", "disk", "cache_tier")  # a worker's pool, its host memory, its disk, the cache tier
+
+
+def _check_fingerprint(name: str, value: str, allow_empty: bool = True) -> None:
+    """A model build's fingerprint (``shared/model/fingerprint.py``): 32 lowercase hex chars, or "" where the
+    field is optional (a sender that names no build)."""
+    _require((allow_empty and value == "") or is_fingerprint(value),
+             f"field {name!r}: must be a model fingerprint ({FINGERPRINT_HEX} lowercase hex characters)")
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -29,7 +37,8 @@ class RequestProbe(WireModel):
 
 @wire_message(MAX_CONTROL_BYTES)
 class LoadReport(WireModel):
-    """Heartbeat on ``subjects.load(worker_id)``: queue and KV-memory metrics."""
+    """Heartbeat on ``subjects.load(worker_id)``: queue and KV-memory metrics. ``model_fingerprint``: the build
+    whose KV the worker computes (the router groups workers by it; "" for services without a model)."""
     worker_id: str
     role: str
     model_id: str
@@ -46,10 +55,12 @@ class LoadReport(WireModel):
     kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
     draining: bool = False          # shutting down: finishes what it holds, takes nothing new
     tier_block_s: float = 0.0       # measured seconds per block pulled from the cache tier (0 = none yet)
+    model_fingerprint: str = ""
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_one_of("role", self.role, ROLES)
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
                      "queued_prefill_tokens", "kv_event_seq"):
             _check_range(name, getattr(self, name), 0)
@@ -70,10 +81,12 @@ class WorkerInfo(WireModel):
     block_size: int
     started_at: float
     draining: bool = False
+    model_fingerprint: str = ""     # as in LoadReport
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_one_of("role", self.role, ROLES)
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
         _check_range("pid", self.pid, 0)
         _check_range("block_size", self.block_size, 0)
 

@@ -93,7 +93,7 @@ class Worker(Service):
             await self.tier.start()
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
-                                   block_size=c.block_size, started_at=0.0)
+                                   block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
         await self.serve_handlers()
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)

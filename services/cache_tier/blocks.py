@@ -1,9 +1,10 @@
 """Between the wire and the block store: a fetched KV payload ``[n, *block_shape]`` <-> ``StoredBlock``s.
 
 Invariants: a put's payload must be exactly ``[len(block_hashes), *block_shape]`` of the message's dtype
-(its handle says so before anything is fetched); each stored block owns a copy of its bytes. A get serves
-only blocks whose dtype and shape equal the requester's (a block of another layout ends the run, exactly
-like a miss), so an engine never imports KV it cannot use.
+(its handle says so before anything is fetched); each stored block owns a copy of its bytes and carries the
+put's digest and model fingerprint, so it is only ever served to a get naming both (``StoredBlock.matches``).
+A get serves only blocks whose dtype and shape equal the requester's (a block of another layout ends the run,
+exactly like a miss), so an engine never imports KV it cannot use.
 """
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def check_put_handle(put: protocol.CachePut, max_block_bytes: int) -> None:
 
 
 def to_blocks(put: protocol.CachePut, kv: torch.Tensor) -> list[StoredBlock]:
-    """Split the fetched ``kv`` ([n, *block_shape]) into one ``StoredBlock`` per hash."""
+    """Split the fetched ``kv`` ([n, *block_shape]) into one ``StoredBlock`` per hash, each carrying its digest
+    and the put's model fingerprint (what a get must name to be served it)."""
     flat = kv.reshape(len(put.block_hashes), -1).view(torch.uint8) if kv.dtype != torch.uint8 else \
         kv.reshape(len(put.block_hashes), -1)
-    bs = put.block_size
+    bs, digests = put.block_size, put.digests()
     return [StoredBlock(block_hash=h, token_ids=tuple(put.token_ids[i * bs:(i + 1) * bs]), dtype=put.dtype,
-                        shape=tuple(put.block_shape), payload=flat[i].numpy().tobytes())
+                        shape=tuple(put.block_shape), payload=flat[i].numpy().tobytes(), digest=digests[i],
+                        fingerprint=put.model_fingerprint)
             for i, h in enumerate(put.block_hashes)]
 
 

@@ -3,9 +3,11 @@ NATS on ``subjects.cache(op, tier_id)``, with its holdings published as KV event
 
 - ``put``: fetch the worker's staged KV through the named transport, store every block under its chained
   hash with the request's retention class, reply ``Ack`` (the worker then frees its staging).
-- ``get``: the leading run of the asked blocks that the store holds (token ids compared, unexpired, the
-  requester's layout), staged through a transport the worker offered; reply ``CacheGetReply``; the staging
-  is freed on ``release`` or after ``stage_ttl_s``. A get that finds no room to stage is answered 0 blocks.
+- ``get``: the leading run of the asked blocks that the store holds (token ids, chained digest and model
+  fingerprint compared, unexpired, the requester's layout), staged through a transport the worker offered;
+  reply ``CacheGetReply`` naming the fingerprint served; the staging is freed on ``release`` or after
+  ``stage_ttl_s``. A get that finds no room to stage is answered 0 blocks. A block of another model build
+  (a directory kept across a model swap under the same name) is never served: it is a miss.
 - ``stats``: store counters, per tenant/class ledger, config. Heartbeats on ``load.<tier_id>``.
 
 Invariants: bad input (garbage msgpack, unknown hash, wrong shape, oversize, unknown class) gets an error
@@ -128,11 +130,11 @@ class CacheTierService(Service):
         t0 = time.perf_counter()
         get = protocol.decode(msg.data, protocol.CacheGet)
         self.store.config.retention.ttl(get.retention)
-        found, dram, bs = [], 0, get.block_size
+        found, dram, bs, digests = [], 0, get.block_size, get.digests()
         for i, block_hash in enumerate(get.block_hashes):
             where = self.store.where(block_hash)
-            block = None if where is None else \
-                await self.store.get(block_hash, get.token_ids[i * bs:(i + 1) * bs], get.retention)
+            block = None if where is None else await self.store.get(
+                block_hash, get.token_ids[i * bs:(i + 1) * bs], get.retention, digests[i], get.model_fingerprint)
             if block is None or not fits(block, get):
                 break
             found.append(block)
@@ -159,7 +161,7 @@ class CacheTierService(Service):
         self._releases[get.transfer_id] = loop.call_later(
             self.config.stage_ttl_s, lambda: self.runtime.spawn(self._release(get.transfer_id)))
         return protocol.CacheGetReply(num_blocks=len(found), dram_blocks=dram, ssd_blocks=len(found) - dram,
-                                      transport=name, handle=handle)
+                                      transport=name, handle=handle, model_fingerprint=get.model_fingerprint)
 
     async def on_release(self, msg) -> None:
         await self._release(protocol.decode(msg.data, protocol.CacheRelease).transfer_id)

@@ -1,9 +1,11 @@
 """Decode worker: admits KV hand-offs into its continuous batch (or prefills short prompts itself) and
 streams tokens to the request's reply subject.
 
-Invariants: a hand-off is acknowledged only after its KV is in this worker's cache (or queued for local
-recompute), so the prefill side may free its copy; every admitted request ends with exactly one final chunk
-(finish reason + usage, or an error); cancel aborts the request in the engine and frees its blocks.
+Invariants: a hand-off of KV computed by another model build (its ``model_fingerprint`` is not this engine's)
+is refused with ``model_mismatch`` before anything is fetched; a hand-off is acknowledged only after its KV is in
+this worker's cache (or queued for local recompute), so the prefill side may free its copy; every admitted
+request ends with exactly one final chunk (finish reason + usage, or an error); cancel aborts the request in the
+engine and frees its blocks.
 """
 from __future__ import annotations
 
@@ -38,9 +40,11 @@ class DecodeService(Worker):
             if [req.num_blocks, *req.block_shape] != shape or f"torch.{req.dtype}" != str(dtype):
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {[req.num_blocks, *req.block_shape]}"
                                      f" {req.dtype} disagrees with its handle {shape} {dtype}")
-            # before any allocation or fetch: a bad hand-off is refused here, never reaches the batch
-            eng.check_handoff(req.prompt_token_ids, req.first_token, params, shape, req.dtype)
+            # before any allocation or fetch: a bad hand-off (or another build's KV) is refused here
+            eng.check_handoff(req.prompt_token_ids, req.first_token, params, shape, req.dtype,
+                              model_fingerprint=req.model_fingerprint)
         else:
+            eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
         self.track(rid, req.reply_to)
         acked = False
@@ -62,7 +66,8 @@ class DecodeService(Worker):
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
                 kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
                 submit = lambda: eng.import_prefilled(rid, req.prompt_token_ids, req.first_token, params, kv,
-                                                      req.cache_salt, hold_kv=hold)
+                                                      req.cache_salt, hold_kv=hold,
+                                                      model_fingerprint=req.model_fingerprint)
                 seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
                                  "tier_cached_tokens": req.tier_cached_tokens}
             else:

@@ -3,7 +3,9 @@ it to the client, hands the KV blocks to the decode worker named in the request,
 
 Invariant: the request's blocks are held from the first token until the hand-off is acknowledged, failed or
 timed out — then released on this side (hashed blocks stay in the prefix cache) and the transport staging is
-freed. A failed hand-off ends the request with a ``transfer_failed`` final chunk: never a hang, never a leak.
+freed. A failed hand-off ends the request with a ``transfer_failed`` final chunk (``model_mismatch`` when the
+decode worker serves another model build than this one's, named in the hand-off): never a hang, never a leak;
+the router re-places the request. Work for another build than this worker's is refused (``model_mismatch``).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class PrefillService(Worker):
         if not msg.reply:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, "a PrefillRequest needs a reply subject for its Ack")
         req = protocol.decode(msg.data, protocol.PrefillRequest)
+        self.engine.check_model(req.model_fingerprint, "the prefill request", allow_any=True)
         params = sampling_params(req.sampling)
         if req.transport not in self.transports:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
@@ -88,7 +91,7 @@ class PrefillService(Worker):
                 block_shape=list(eng.kv_cache.shape[1:]), dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
-                retention=req.retention, tier_cached_tokens=tier_tokens)
+                retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=self.config.handoff_timeout_s)

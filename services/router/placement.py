@@ -1,6 +1,9 @@
-"""The router's side of scheduling: builds a ``ClusterView`` from heartbeats and the KV index, asks
-``shared/sched/placement.place_request`` (the configured policy plus the one rule for the prefill site and
-KV transport, shared with the simulator), and turns the decision into worker states.
+"""The router's side of scheduling: picks the model build (``services/router/models.py``), builds a
+``ClusterView`` of that build's workers from heartbeats and the KV index (block hashes under that build's
+fingerprint), asks ``shared/sched/placement.place_request`` (the configured policy plus the one rule for the
+prefill site and KV transport, shared with the simulator), and turns the decision into worker states.
+
+Invariant: both workers of a placement report the fingerprint it returns.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from shared.kv.block_hash import hash_prompt_blocks
 from shared.sched.placement import place_request
 from shared.sched.policies import make_policy
 from shared.sched.types import ClusterView, CostModel, Reject, RequestInfo, WorkerView
+from services.router.models import ServingModel
 from services.router.workers import WorkerState, WorkerTable
 
 
@@ -31,19 +35,24 @@ class Placer:
         self.policy = make_policy(policy, **kwargs)
         self.table, self.index, self.cost = table, index, cost
         self.threshold, self.ttft_slo_s = local_prefill_threshold, ttft_slo_s
+        self.model = ServingModel()
 
     def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str, mode: str,
-              transport: str = "", exclude: Collection[str] = ()
-              ) -> tuple[WorkerState | None, WorkerState, str | None]:
-        """``(prefill worker or None for local prefill, decode worker, KV transport or None)``; raises
-        ``unavailable`` or ``overloaded``. Workers in ``exclude`` (a failed attempt's) are avoided while a role
-        has others."""
-        decode = _avoid(self.table.alive("decode"), exclude)
-        if not decode:
+              transport: str = "", exclude: Collection[str] = (), fingerprint: str | None = None
+              ) -> tuple[WorkerState | None, WorkerState, str | None, str]:
+        """``(prefill worker or None for local prefill, decode worker, KV transport or None, model fingerprint)``;
+        raises ``unavailable`` or ``overloaded``. Only workers of one build are considered: ``fingerprint`` (a
+        failover continuation's) while it has a decode worker, else the serving one. Workers in ``exclude`` (a
+        failed attempt's) are avoided while that build has others in their role."""
+        alive = self.table.alive("decode")
+        if not alive:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
-        prefill = [] if mode == "local" else _avoid(self.table.alive("prefill"), exclude)
+        build = self.model.choose(alive, fingerprint, request_id)
+        decode = _avoid([s for s in alive if s.report.model_fingerprint == build], exclude)
+        prefill = [] if mode == "local" else _avoid(
+            [s for s in self.table.alive("prefill") if s.report.model_fingerprint == build], exclude)
         first = decode[0].report
-        hashes = hash_prompt_blocks(prompt, first.block_size, first.model_id, cache_salt)
+        hashes = hash_prompt_blocks(prompt, first.block_size, build, cache_salt)
         view = ClusterView(prefill=tuple(worker_view(s) for s in prefill),
                            decode=tuple(worker_view(s) for s in decode),
                            overlap=self.index.overlap(hashes),
@@ -56,7 +65,7 @@ class Placer:
             raise DeepinferError(code, decision.reason)
         states = self.table.workers
         prefill_state = states[decision.prefill_worker] if decision.prefill_worker else None
-        return prefill_state, states[decision.decode_worker], decision.transport
+        return prefill_state, states[decision.decode_worker], decision.transport, build
 
 
     def tier_cost(self, workers: list[WorkerState]) -> CostModel:

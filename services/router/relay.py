@@ -4,13 +4,19 @@ Per request: pick a decode worker and (unless the policy prefills locally) a pre
 transport; dispatch; relay the workers' token chunks to the client's reply subject with one gap-free ``seq``;
 enforce the request's deadline. An attempt that fails for a reason another placement can fix raises
 ``AttemptFailed`` (retryable by construction) naming the workers to avoid: a worker that did not accept
-(no responders, dispatch timeout, ``unavailable``/``overloaded`` reply, e.g. a draining worker), a worker that
-stops heartbeating, or a worker that reports its partner lost, a failed hand-off, or hands the stream back
-while draining; also an attempt whose chunks were lost in transit (a gap in the workers' numbering, or a
-silence in which no worker holds the request any more). The stream is then re-placed with prompt + the tokens
-already delivered, up to ``max_failovers`` times, so the client sees one stream with no gap or duplicate
+(no responders, dispatch timeout, ``unavailable``/``overloaded``/``model_mismatch`` reply, e.g. a draining
+worker or one now serving another model build), a worker that stops heartbeating, or a worker that reports its
+partner lost, a failed or refused hand-off (``model_mismatch``: the decode worker's build is not the prefill
+worker's), or hands the stream back while draining; also an attempt whose chunks were lost in transit (a gap in
+the workers' numbering, or a silence in which no worker holds the request any more). The stream is then
+re-placed with prompt + the tokens already delivered, up to ``max_failovers`` times, so the client sees one
+stream with no gap or duplicate
 (greedy output is exactly the uninterrupted one; a sampled continuation draws afresh from the same
 distribution). Every other error ends the stream with that error.
+
+Model builds: every attempt runs on workers of one model fingerprint (``services/router/models.py``); a
+stream's continuations stay on the build of its first attempt while that build has a decode worker, so its
+tokens come from one build and no KV ever crosses builds.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 # codes after which another placement may succeed (the failed workers are avoided)
 RETRYABLE_CODES = frozenset(c.value for c in (ErrorCode.WORKER_LOST, ErrorCode.TRANSFER_FAILED,
-                                               ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED))
+                                               ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED,
+                                               ErrorCode.MODEL_MISMATCH))
 
 
 class AttemptFailed(DeepinferError):
@@ -58,6 +65,7 @@ class Stream:
     ended: bool = False
     usage: dict | None = None  # the final chunk's usage, once forwarded
     failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
+    fingerprint: str | None = None  # the model build of its first attempt: continuations stay on it
 
 
 class Relay:
@@ -105,9 +113,10 @@ class Relay:
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request
         work_id = attempt_id(stream.rid, attempt)
-        prefill_w, decode_w, transport = self.placer.place(work_id, prompt, params.max_tokens, req.cache_salt,
-                                                           req.prefill_mode, req.transport,
-                                                           exclude=stream.failed_workers)
+        prefill_w, decode_w, transport, build = self.placer.place(
+            work_id, prompt, params.max_tokens, req.cache_salt, req.prefill_mode, req.transport,
+            exclude=stream.failed_workers, fingerprint=stream.fingerprint)
+        stream.fingerprint = build
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
         account = InflightAccount(prefill_w, decode_w, len(prompt))
@@ -119,12 +128,12 @@ class Relay:
                 work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                decode_worker=decode_w.report.worker_id, transport=transport,
                                                reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
-                                               retention=req.retention)
+                                               retention=req.retention, model_fingerprint=build)
             else:
                 target = decode_w
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                    reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
-                                               retention=req.retention)
+                                                   retention=req.retention, model_fingerprint=build)
             await self._dispatch(target, work)
             finished = await self._relay(sub, stream, work_id, prefill_w, decode_w, account.prefill_done, attempt)
         finally:

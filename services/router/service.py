@@ -229,8 +229,9 @@ class RouterService(Service):
             return
         stats = {"accounting": self.ledger.as_dict(), "in_flight": len(self.relays), "policy": self.config.policy,
                  "workers": {wid: {"role": s.report.role, "alive": self.table.is_alive(wid),
-                                   "draining": s.report.draining} for wid, s in self.table.workers.items()},
-                 "errors": dict(self.runtime.error_counts)}
+                                   "draining": s.report.draining, "model_fingerprint": s.report.model_fingerprint}
+                             for wid, s in self.table.workers.items()},
+                 "serving_fingerprint": self.placer.model.fingerprint, "errors": dict(self.runtime.error_counts)}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
                                                               stats=stats)))
 

@@ -159,12 +159,13 @@ class AsyncEngine:
                 except DeepinferError:
                     logger.warning("could not abort %s", request_id)
 
-    def load(self) -> dict[str, float]:
-        """Racy-but-safe snapshot of load metrics (reads only ints/floats)."""
+    def load(self) -> dict[str, float | str]:
+        """Racy-but-safe snapshot of load metrics (reads only ints/floats), plus the engine's model fingerprint
+        (constant: every heartbeat built from this names the build it serves)."""
         eng = self.engine
         bm = eng.block_manager
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                      for r in list(eng.scheduler.waiting) + list(eng.scheduler.running))
         return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
                 "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
-                "queued_prefill_tokens": queued}
+                "queued_prefill_tokens": queued, "model_fingerprint": eng.fingerprint}

@@ -6,8 +6,11 @@ Invariants:
 - ``free_queue`` is the eviction order: its head is reused first. Freed blocks that carry no hash go to the
   head (they are worthless); freed hashed blocks go to the tail (LRU), a request's tail blocks before its
   head blocks, so a shared prefix outlives the suffixes built on it.
-- ``cached`` maps a block hash to the one block holding it. A hit is confirmed by comparing the block's full
-  key (parent hash, token ids, extra), never by hash alone. Reusing a hashed free block drops its hash.
+- ``cached`` maps a block hash (its 64-bit key) to the one block holding it. A hit is confirmed by comparing the
+  block's full key (its chained 256-bit digest, which covers every earlier token, the model fingerprint and the
+  cache salt, and its token ids), never by the 64-bit hash alone: blocks whose hashes collide are never
+  confused, the later one just is not cached (``shared/kv/block_hash.py``). Reusing a hashed free block drops
+  its hash.
 - ``allocate_slots`` returns ``None`` (caller must preempt or wait) and changes nothing when out of room.
 """
 from __future__ import annotations
@@ -16,9 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from shared.engine.request import Request
-from shared.kv.block_hash import ROOT_PARENT, first_block_extra
 
-BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
+BlockKey = tuple[bytes, tuple[int, ...]]  # (chained digest, token ids)
 
 
 class KVBlock:
@@ -34,9 +36,7 @@ class KVBlock:
 def block_key(request: Request, index: int) -> BlockKey:
     """The full identity of the request's ``index``-th block (what a hash hit must match)."""
     bs = request.block_size
-    parent = request.block_hashes[index - 1] if index else ROOT_PARENT
-    extra = first_block_extra(request.model_id, request.cache_salt) if index == 0 else ()
-    return parent, tuple(request.all_token_ids[index * bs:(index + 1) * bs]), extra
+    return request.block_digests[index], tuple(request.all_token_ids[index * bs:(index + 1) * bs])
 
 
 class BlockManager:

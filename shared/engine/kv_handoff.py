@@ -6,9 +6,10 @@ token with its blocks still allocated; ``prompt_block_ids`` names the blocks tha
 (a transport stages them straight from the cache) and ``export_kv`` copies them into one contiguous tensor
 ``[num_blocks, L, 2, kvh, block_size, D]``; ``LLMEngine.release_held`` then frees them.
 
-Check (decode side, before any allocation or fetch): ``check_handoff`` rejects a first token outside the
-vocabulary (``invalid_request``) and a payload whose shape or dtype is not this engine's layout for the
-prompt (``transfer_failed``), so one bad hand-off never reaches a batch.
+Check (decode side, before any allocation or fetch): ``check_handoff`` rejects KV computed by another model
+build (its ``model_fingerprint`` is not this engine's, or missing: ``model_mismatch``), a first token outside
+the vocabulary (``invalid_request``) and a payload whose shape or dtype is not this engine's layout for the
+prompt (``transfer_failed``), so one bad hand-off never reaches a batch and foreign KV is never served.
 
 Import (decode side): ``import_prefilled`` creates the request with ``prompt + [first_token]`` as its tokens,
 reuses the decode engine's own prefix-cache hits, writes the remaining blocks from the payload and marks the
@@ -51,10 +52,21 @@ def block_shape(engine: LLMEngine) -> list[int]:
     return list(engine.kv_cache.shape[1:])
 
 
+def check_model(engine: LLMEngine, model_fingerprint: str, what: str, allow_any: bool = False) -> None:
+    """Raise ``model_mismatch`` unless ``model_fingerprint`` is this engine's (``allow_any``: or empty, for work
+    that carries tokens only, from a sender that names no build). ``what`` names the message in the error."""
+    if model_fingerprint == engine.fingerprint or (allow_any and not model_fingerprint):
+        return
+    raise DeepinferError(ErrorCode.MODEL_MISMATCH, f"{what} is for model build {model_fingerprint or '(unnamed)'}"
+                         f"; this worker serves {engine.model.config.model_id} build {engine.fingerprint}")
+
+
 def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                  shape: list[int], dtype: str) -> None:
+                  shape: list[int], dtype: str, model_fingerprint: str) -> None:
     """Raise unless a hand-off of ``prompt_token_ids`` + ``first_token`` whose payload is ``shape`` /
-    ``dtype`` (torch name without ``torch.``) can be imported here. Allocates and reads nothing."""
+    ``dtype`` (torch name without ``torch.``), computed by the build ``model_fingerprint``, can be imported
+    here. Allocates and reads nothing."""
+    check_model(engine, model_fingerprint, "the KV hand-off")
     engine.validate(prompt_token_ids, params)
     vocab = engine.model.config.vocab_size
     if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
@@ -67,16 +79,18 @@ def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: i
 
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
-                     params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False) -> bool:
-    """Admit a request prefilled elsewhere. Returns True if its KV was used, False if it was queued for
-    local recompute (no room). ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``.
+                     params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
+                     model_fingerprint: str) -> bool:
+    """Admit a request prefilled elsewhere by the build ``model_fingerprint`` (another build's KV raises
+    ``model_mismatch``). Returns True if its KV was used, False if it was queued for local recompute (no room).
+    ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``.
     ``hold_kv``: keep its blocks after it finishes (for write-back; see ``LLMEngine.release_held``)."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
     bs = engine.config.block_size
     check_handoff(engine, prompt_token_ids, first_token, params, list(kv.shape),
-                  str(kv.dtype).removeprefix("torch."))
-    req = Request(request_id, prompt_token_ids, params, block_size=bs, model_id=engine.model.config.model_id,
+                  str(kv.dtype).removeprefix("torch."), model_fingerprint)
+    req = Request(request_id, prompt_token_ids, params, block_size=bs, model_fingerprint=engine.fingerprint,
                   cache_salt=cache_salt)
     req.hold_kv = hold_kv
     if engine.tokenizer is not None:

@@ -9,7 +9,9 @@ eviction could: a tier hit reports ``cached_tokens`` exactly like a local hit, a
 single-process engine's (the bytes are the KV that engine computed for the same tokens).
 
 Write-back: ``tier_blocks`` names the full blocks of a held request whose KV is computed (prompt blocks
-after prefill; prompt + output blocks when decoding finished), with their hashes and tokens.
+after prefill; prompt + output blocks when decoding finished), with their tokens and their ``BlockChain``
+(keys, chained digests and this engine's model fingerprint: the tier serves a block only to a get that names
+the same digest and fingerprint, so no other build's or prefix's KV comes back).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.block_hash import BlockChain
 
 if TYPE_CHECKING:
     from shared.engine.llm_engine import LLMEngine
@@ -30,7 +33,7 @@ _SCRATCH_PARAMS = SamplingParams(max_tokens=1)
 def scratch_request(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str) -> Request:
     """A request object used only for its block hashes and keys (never scheduled)."""
     return Request("~tier", prompt_token_ids, _SCRATCH_PARAMS, block_size=engine.config.block_size,
-                   model_id=engine.model.config.model_id, cache_salt=cache_salt)
+                   model_fingerprint=engine.fingerprint, cache_salt=cache_salt)
 
 
 def reusable_blocks(engine: LLMEngine, prompt_token_ids: list[int]) -> int:
@@ -39,13 +42,13 @@ def reusable_blocks(engine: LLMEngine, prompt_token_ids: list[int]) -> int:
     return max(0, (len(prompt_token_ids) - 1) // engine.config.block_size)
 
 
-def missing_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str) -> tuple[int, list[int]]:
-    """``(first, hashes)``: the prompt's reusable blocks from index ``first`` on are not in the local prefix
-    cache; ``hashes`` are the chained hashes of all its reusable blocks (what the tier is asked for)."""
+def missing_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str) -> tuple[int, BlockChain]:
+    """``(first, chain)``: the prompt's reusable blocks from index ``first`` on are not in the local prefix
+    cache; ``chain`` names all its reusable blocks (what the tier is asked for)."""
     req = scratch_request(engine, prompt_token_ids, cache_salt)
     usable = reusable_blocks(engine, prompt_token_ids)
     first = min(engine.block_manager.cached_prefix(req), usable) if engine.config.enable_prefix_caching else usable
-    return first, req.block_hashes[:usable]
+    return first, BlockChain.of(engine.fingerprint, req.block_digests[:usable])
 
 
 def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str, first: int,
@@ -67,8 +70,8 @@ def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_sal
     return len(ids)
 
 
-def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[int], list[int], list[int]]:
-    """``(block_ids, hashes, token_ids)`` of a held request's computed full blocks from index ``first`` on;
+def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[int], BlockChain, list[int]]:
+    """``(block_ids, chain, token_ids)`` of a held request's computed full blocks from index ``first`` on;
     ``token_ids`` is flat, ``block_size`` per block."""
     req = engine.held.get(request_id)
     if req is None:
@@ -78,5 +81,5 @@ def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[in
     full = min(req.num_computed_tokens // bs, len(req.block_hashes))
     first = max(0, first)
     ids = engine.block_manager.block_ids(request_id)[first:full]
-    hashes = req.block_hashes[first:first + len(ids)]
-    return ids, hashes, req.all_token_ids[first * bs:(first + len(ids)) * bs]
+    chain = BlockChain.of(engine.fingerprint, req.block_digests[first:first + len(ids)])
+    return ids, chain, req.all_token_ids[first * bs:(first + len(ids)) * bs]

@@ -21,6 +21,8 @@ from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.kv.block_hash import BlockChain
+from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,11 @@ class LLMEngine:
         self.num_preemptions = 0
         self.held: dict[str, Request] = {}  # finished hold_kv requests whose blocks are still allocated
         self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-                    mc.model_id, model.device, model.dtype, num_blocks, config.block_size, self.max_model_len)
+        # what determines this engine's KV (shared/model/fingerprint.py): in every block hash and hand-off
+        self.fingerprint = model_fingerprint(model, tokenizer, config.block_size)
+        logger.info("engine ready: model=%s fingerprint=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
+                    "max_model_len=%d", mc.model_id, self.fingerprint, model.device, model.dtype, num_blocks,
+                    config.block_size, self.max_model_len)
 
     @classmethod
     def from_path(cls, path=None, config: EngineConfig | None = None, progress=None) -> "LLMEngine":
@@ -93,7 +98,7 @@ class LLMEngine:
             raise invalid(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, block_size=self.config.block_size,
-                      model_id=self.model.config.model_id, cache_salt=cache_salt)
+                      model_fingerprint=self.fingerprint, cache_salt=cache_salt)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder()
         req.hold_kv, req.flush_text = hold_kv, not continues
@@ -115,24 +120,27 @@ class LLMEngine:
     def prompt_block_ids(self, request_id: str) -> list[int]:
         return kv_handoff.prompt_block_ids(self, request_id)
 
+    def check_model(self, model_fingerprint: str, what: str, allow_any: bool = False) -> None:
+        return kv_handoff.check_model(self, model_fingerprint, what, allow_any)
+
     def check_handoff(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                      shape: list[int], dtype: str) -> None:
-        kv_handoff.check_handoff(self, prompt_token_ids, first_token, params, shape, dtype)
+                      shape: list[int], dtype: str, *, model_fingerprint: str) -> None:
+        kv_handoff.check_handoff(self, prompt_token_ids, first_token, params, shape, dtype, model_fingerprint)
 
     def import_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                          params: SamplingParams, kv: torch.Tensor, cache_salt: str = "",
-                         hold_kv: bool = False) -> bool:
+                         hold_kv: bool = False, *, model_fingerprint: str) -> bool:
         return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt,
-                                           hold_kv)
+                                           hold_kv, model_fingerprint=model_fingerprint)
 
     # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
-    def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, list[int]]:
+    def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:
         return kv_tier.missing_blocks(self, prompt_token_ids, cache_salt)
 
     def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor) -> int:
         return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv)
 
-    def tier_blocks(self, request_id: str, first: int = 0) -> tuple[list[int], list[int], list[int]]:
+    def tier_blocks(self, request_id: str, first: int = 0) -> tuple[list[int], BlockChain, list[int]]:
         return kv_tier.tier_blocks(self, request_id, first)
 
     def set_kv_event_sink(self, sink) -> None:

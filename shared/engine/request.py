@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import hash_prompt_blocks
+from shared.kv.block_hash import block_key, chain_digests
 
 
 class RequestStatus(enum.Enum):
@@ -49,23 +49,24 @@ class RequestStats:
 
 
 class Request:
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_id", "block_size",
-                 "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes",
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
+                 "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "spec_token_ids",
                  "spec_features", "flush_text")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 block_size: int, model_id: str, cache_salt: str = "") -> None:
+                 block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.cache_salt, self.model_id, self.block_size = cache_salt, model_id, block_size
+        self.cache_salt, self.model_fingerprint, self.block_size = cache_salt, model_fingerprint, block_size
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.flush_text = True  # at a length stop, emit held-back bytes (False: the stream goes on elsewhere)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.block_hashes: list[int] = []
+        self.block_digests: list[bytes] = []  # chained digests of the full blocks (shared/kv/block_hash.py)
+        self.block_hashes: list[int] = []  # their 64-bit keys, what the caches index
         self.stats = RequestStats(arrival_time=time.perf_counter())
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -107,6 +108,9 @@ class Request:
             self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
-        self.block_hashes = hash_prompt_blocks(self.all_token_ids, self.block_size, self.model_id,
-                                               self.cache_salt, self.block_hashes)
+        """Extend ``block_digests`` and ``block_hashes`` (new lists) to cover every full block of
+        ``all_token_ids``."""
+        self.block_digests = chain_digests(self.all_token_ids, self.block_size, self.model_fingerprint,
+                                           self.cache_salt, self.block_digests)
+        if len(self.block_hashes) < len(self.block_digests):
+            self.block_hashes = self.block_hashes + [block_key(d) for d in self.block_digests[len(self.block_hashes):]]

@@ -5,6 +5,10 @@ returns None and the worker computes the blocks itself; a write-back is staged w
 the blocks, queued (at most ``max_queued``; more are dropped and counted) and sent by one background task,
 which frees the staging once the tier acknowledged or the wait timed out. While the tier's heartbeats are
 missing (dead, not started) both are skipped at once instead of waiting out timeouts.
+
+Model identity: blocks are named by a ``BlockChain`` (keys, chained digests, this worker's model fingerprint);
+the tier serves only blocks of that digest and build, and a reply naming another build is refused
+(``model_mismatch``, counted as a failed pull: the blocks are computed here), so no other build's KV is imported.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from shared import protocol, subjects
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv.block_hash import BlockChain
 from shared.kv.transport import KVTransport
 from shared.kv.transport_choice import common_transport
 
@@ -99,17 +105,19 @@ class TierClient:
         return f"{kind}-{self.worker_id}-{next(self._ids)}"
 
     # -- pulls --------------------------------------------------------------------------------------------
-    async def pull(self, first: int, hashes: Sequence[int], prompt: Sequence[int], block_size: int,
+    async def pull(self, first: int, chain: BlockChain, prompt: Sequence[int], block_size: int,
                    block_shape: list[int], dtype: str, tenant: str, retention: str) -> Pulled | None:
-        """Blocks ``first..`` of ``hashes`` (the prompt's reusable blocks) that the tier holds, or None."""
-        if first >= len(hashes) or not self.alive:
+        """Blocks ``first..`` of ``chain`` (the prompt's reusable blocks) that the tier holds, or None."""
+        if first >= len(chain) or not self.alive:
             return None
+        want = chain[first:]
         self.counters.pulls += 1
         t0 = time.perf_counter()
         tid = self._transfer_id("tg")
         get = protocol.CacheGet(transfer_id=tid, worker_id=self.worker_id, retention=retention,
-                                block_hashes=list(hashes[first:]),
-                                token_ids=list(prompt[first * block_size:len(hashes) * block_size]),
+                                block_hashes=list(want.keys), block_digests=want.packed_digests(),
+                                model_fingerprint=want.model_fingerprint,
+                                token_ids=list(prompt[first * block_size:len(chain) * block_size]),
                                 block_size=block_size, dtype=dtype, block_shape=block_shape,
                                 transports=list(self.transports), host=self.host, tenant=tenant)
         reply = None
@@ -119,6 +127,9 @@ class TierClient:
             reply = protocol.decode_reply(msg.data, protocol.CacheGetReply)
             if reply.num_blocks == 0:
                 return None
+            if reply.model_fingerprint != want.model_fingerprint:
+                raise DeepinferError(ErrorCode.MODEL_MISMATCH, f"tier staged blocks of build "
+                                     f"{reply.model_fingerprint or '(unnamed)'}, not {want.model_fingerprint}")
             transport = self.transports.get(reply.transport)
             if transport is None:
                 raise ValueError(f"tier staged through {reply.transport!r}, not offered here")
@@ -142,10 +153,11 @@ class TierClient:
         return Pulled(first, kv, reply.dram_blocks, reply.ssd_blocks)
 
     # -- write-back ---------------------------------------------------------------------------------------
-    async def write_back(self, kv_cache: torch.Tensor, block_ids: Sequence[int], hashes: Sequence[int],
+    async def write_back(self, kv_cache: torch.Tensor, block_ids: Sequence[int], chain: BlockChain,
                          token_ids: Sequence[int], block_size: int, tenant: str, retention: str) -> bool:
-        """Stage ``kv_cache[block_ids]`` now (the caller holds those blocks until this returns) and queue it
-        for the tier. False (counted) when the tier is away, the queue is full or staging fails."""
+        """Stage ``kv_cache[block_ids]`` (the blocks ``chain`` names, in order) now (the caller holds those blocks
+        until this returns) and queue it for the tier. False (counted) when the tier is away, the queue is full
+        or staging fails."""
         if not block_ids:
             return False
         name = self._transport() if self.alive else None
@@ -164,7 +176,9 @@ class TierClient:
             logger.debug("write-back not staged: %s", err)
             return False
         put = protocol.CachePut(transfer_id=tid, worker_id=self.worker_id, retention=retention,
-                                block_hashes=list(hashes), token_ids=list(token_ids), block_size=block_size,
+                                block_hashes=list(chain.keys), block_digests=chain.packed_digests(),
+                                model_fingerprint=chain.model_fingerprint, token_ids=list(token_ids),
+                                block_size=block_size,
                                 dtype=str(kv_cache.dtype).removeprefix("torch."),
                                 block_shape=list(kv_cache.shape[1:]), transport=name, handle=handle,
                                 tenant=tenant)

@@ -91,6 +91,9 @@ class CacheTierCollector(Collector):
                          [("dram", s["dram_expiries"]), ("ssd", s["ssd_expiries"])])
         yield counter_by(f"{P}_token_mismatches", "Hash matched but tokens did not (served as a miss), by tier",
                          lb, "tier", [("dram", s["dram_token_mismatches"]), ("ssd", s["ssd_token_mismatches"])])
+        yield counter_by(f"{P}_identity_mismatches", "Hash and tokens matched but the digest or model build did not "
+                         "(a hash collision or another build's block, served as a miss), by tier", lb, "tier",
+                         [("dram", s["dram_identity_mismatches"]), ("ssd", s["ssd_identity_mismatches"])])
         for field, (name, doc) in STORE_COUNTERS.items():
             yield counter(f"{P}_{name}", doc, lb, s[field])
         yield counter(f"{P}_gc_runs", "GC rounds (expiry + compaction)", lb, getattr(svc, "_gc_runs", 0))

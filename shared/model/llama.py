@@ -18,6 +18,7 @@ from shared.model.attention import AttentionMetadata, attend
 from shared.model.kv_cache import layer_kv
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
+from shared.model.fingerprint import weights_digest
 from shared.model.linear import linear, prepare_weight
 from shared.model.rope import build_rope_cache
 
@@ -42,6 +43,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.config, self.dtype, self.device = config, dtype, device
+        self.weights_digest = weights_digest(weights)  # content of the tensors as given (shared/model/fingerprint.py)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

@@ -17,7 +17,9 @@ Invariants:
   of a flagged worker is ignored and ``apply`` returns False, so the caller (re)requests a snapshot.
 - ``overlap``/``tier_overlap`` cost O(prompt blocks) dict lookups plus O(workers matched): worker sets are
   bitmasks of slots intersected while walking the prompt, stopping at the first block nobody holds.
-- A hash is only a hint (``shared/kv/block_hash.py``): consumers confirm hits by token ids.
+- A hash is only a hint (``shared/kv/block_hash.py``): these are the blocks' 64-bit keys under each worker's model
+  fingerprint, and the index compares nothing else, so a key collision can only mislead placement (a predicted
+  hit the worker then computes); what is served is confirmed by the block's full digest and token ids.
 
 Not thread-safe: the router calls it from its event loop only. A worker restarted under the same id restarts
 at seq 1, which reads as duplicates: the caller compares ``last_seq`` with the worker's heartbeat

@@ -26,10 +26,12 @@ SIMULATED_HOST_ENV = {**os.environ, "UCX_TLS": "tcp"}
 
 
 class MultiHostCluster:
-    def __init__(self, hosts: SimulatedHosts, work: Path, model: Path, roles: dict[str, list[str]],
-                 extra: list[str] = ()) -> None:
-        """``roles``: host name -> its ``deepinfer node`` service flags (e.g. ``["--decode", "2"]``)."""
+    def __init__(self, hosts: SimulatedHosts, work: Path, model: Path | None, roles: dict[str, list[str]],
+                 extra: list[str] = (), dtype: str = "float64", cpus: dict[str, str] | None = None) -> None:
+        """``roles``: host name -> its ``deepinfer node`` service flags (e.g. ``["--decode", "2"]``); ``model``
+        None = the default model; ``cpus``: host name -> the CPUs its processes may use (``taskset -c``)."""
         self.hosts, self.work, self.model, self.roles, self.extra = hosts, work, model, roles, list(extra)
+        self.dtype, self.cpus = dtype, cpus or {}
         self.passwords = {**nats_auth.generate_passwords(), ROUTE_USER: nats_auth.secrets.token_urlsafe(24)}
         self.passwords_file = work / "cluster.env"
         self.passwords_file.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in self.passwords.items()))
@@ -41,9 +43,10 @@ class MultiHostCluster:
 
     def node_argv(self, name: str) -> list[str]:
         others = [self.hosts.address(h) for h in self.roles if h != name]
-        return [sys.executable, "-m", "services.cli", "--log-level", "INFO", "node", "--name", name,
+        pin = ["taskset", "-c", self.cpus[name]] if name in self.cpus else []
+        return [*pin, sys.executable, "-m", "services.cli", "--log-level", "INFO", "node", "--name", name,
                 "--join", ",".join(others), "--passwords-file", str(self.passwords_file),
-                "--model", str(self.model), "--dtype", "float64", "--kv-cache-mb", "32",
+                *(["--model", str(self.model)] if self.model else []), "--dtype", self.dtype, "--kv-cache-mb", "32",
                 "--store-dir", str(self.work / f"js-{name}"), "--log-dir", str(self.work / f"logs-{name}"), "--cache-tier-dir", str(self.work / "tier"),
                 "--local-prefill-threshold", "0", *self.extra, *self.roles[name]]
 

@@ -60,7 +60,7 @@ async def test_events_lost_while_idle_are_recovered_from_heartbeats(nats_server,
                 await asyncio.sleep(0.1)
             (wid,) = [w for w, s in cluster.router.table.workers.items() if s.report.role == "decode"]
             rep = cluster.router.table.workers[wid].report
-            hashes = hash_prompt_blocks(prefix, rep.block_size, rep.model_id, "")
+            hashes = hash_prompt_blocks(prefix, rep.block_size, rep.model_fingerprint, "")
             assert cluster.router.index.overlap(hashes).get(wid, 0) == 12  # 96 tokens in 8-token blocks
             cluster.router.index.remove_worker(wid)  # fault injection: the router lost every event
             assert cluster.router.index.overlap(hashes).get(wid, 0) == 0

@@ -119,8 +119,7 @@ async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_serv
         await generate_once(nats_server.url, request(cache_salt="acme"))
         assert await written(cluster, 9)
     async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
-        model_id = cluster.workers[0].engine.model.config.model_id
-        hashes = hash_prompt_blocks(PROMPT, 8, model_id, "acme")
+        hashes = hash_prompt_blocks(PROMPT, 8, cluster.workers[0].engine.fingerprint, "acme")
         # the restarted tier announced what survived on SSD: the router's placement sees it as remote overlap
         assert await wait_until(lambda: cluster.router.index.tier_overlap(hashes, "cache_tier") == 9)
         tokens, _, _ = await generate_once(nats_server.url, request(cache_salt="acme"))

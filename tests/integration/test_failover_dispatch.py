@@ -44,7 +44,8 @@ async def test_worker_without_responder_is_failed_over(nats_server, folder, role
         ghost = protocol.LoadReport(worker_id="a-ghost", role=role, model_id=real.engine.model.config.model_id,
                                     num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=10**6,
                                     num_total_blocks=10**6, block_size=8, transports=["shm"],
-                                    host=real.runtime.info.host, timestamp=time.time())
+                                    host=real.runtime.info.host, timestamp=time.time(),
+                                    model_fingerprint=real.engine.fingerprint)
         stop = asyncio.Event()
         beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost, stop))
         try:

@@ -25,7 +25,8 @@ def handoff(engine, prompt, **overrides) -> protocol.KVHandoff:
               "nbytes": nbytes, "dtype": dtype, "shape": [num_blocks, *block_shape]}
     fields = dict(request_id="bad-handoff", prompt_token_ids=prompt, first_token=5,
                   sampling={"max_tokens": 4, "temperature": 0.0}, reply_to="_INBOX.nobody", cache_salt="",
-                  num_blocks=num_blocks, block_shape=block_shape, dtype=dtype, transport="shm", handle=handle)
+                  num_blocks=num_blocks, block_shape=block_shape, dtype=dtype, transport="shm", handle=handle,
+                  model_fingerprint=engine.fingerprint)
     fields.update(overrides)
     if "handle" in overrides:
         fields["handle"] = {**handle, **overrides["handle"]}
@@ -62,6 +63,8 @@ async def test_bad_handoffs_are_refused_before_fetch_and_the_batch_goes_on(nats_
             "too few blocks for the prompt": (handoff(eng, prompt, num_blocks=2, handle={
                 "shape": two_blocks["shape"], "nbytes": two_blocks["nbytes"]}), ErrorCode.TRANSFER_FAILED),
             "inconsistent handle bytes": (handoff(eng, prompt, handle={"nbytes": 7}), ErrorCode.TRANSFER_FAILED),
+            "KV of another model build": (handoff(eng, prompt, model_fingerprint="0" * 32), ErrorCode.MODEL_MISMATCH),
+            "KV naming no model build": (handoff(eng, prompt, model_fingerprint=""), ErrorCode.MODEL_MISMATCH),
         }
         nc = await connect(nats_server.url)
         try:

@@ -7,7 +7,7 @@ BS = 4
 
 
 def req(rid: str, tokens: list[int], salt: str = "") -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4), block_size=BS, model_id="m", cache_salt=salt)
+    return Request(rid, tokens, SamplingParams(max_tokens=4), block_size=BS, model_fingerprint="m", cache_salt=salt)
 
 
 def admit(bm: BlockManager, r: Request) -> list[int]:

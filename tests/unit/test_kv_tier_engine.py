@@ -27,8 +27,8 @@ def run(eng, rid):
 
 
 def written_back(model, prompt):
-    """Prefill ``prompt`` on a fresh engine (held), return (block hashes, tokens, KV [n, *block]) of its
-    computed full blocks: what a worker writes to the tier."""
+    """Prefill ``prompt`` on a fresh engine (held), return (BlockChain, KV [n, *block]) of its computed full
+    blocks: what a worker writes to the tier."""
     src = engine(model)
     rid = src.add_request(prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
     run(src, rid)
@@ -100,7 +100,7 @@ def test_salted_blocks_do_not_match_another_tenant():
     hashes, kv = written_back(model, prompt)        # tenant "" (no salt)
     dst = engine(model)
     first, want = dst.missing_blocks(prompt, "tenant-b")
-    assert first == 0 and set(want).isdisjoint(hashes)
+    assert first == 0 and set(want.keys).isdisjoint(hashes.keys) and set(want.digests).isdisjoint(hashes.digests)
 
 
 def test_mismatched_block_layout_is_refused():

@@ -1,9 +1,12 @@
 """The block store of the cache tier: KV blocks kept in DRAM and on SSD for days, with retention classes.
 
-Content-addressed by the chained block hash of ``shared/kv/block_hash.py`` (model id and tenant salt are
-inside it, so tenants never share a block); a hit is confirmed by comparing token ids. Layers:
+Content-addressed by the chained block hash of ``shared/kv/block_hash.py`` (its 64-bit key; the model build's
+fingerprint and the tenant salt are inside it, so builds and tenants never share a block); a hit is confirmed
+by comparing the block's full 256-bit digest, its model fingerprint and its token ids, so neither a key collision
+nor a directory kept across a model swap ever serves another prefix's or another build's KV. Layers:
 
-- ``block``: ``StoredBlock``, the value (hash, token ids, dtype, shape, payload bytes), validated.
+- ``block``: ``StoredBlock``, the value (hash, token ids, dtype, shape, payload bytes, digest, fingerprint),
+  validated.
 - ``retention``: classes -> ttl (``chat`` 7 d, ``agent`` 3 d, ``none`` = DRAM-only), ``BlockMeta``.
 - ``clock``: the one injectable time source (``FakeClock`` for tests).
 - ``dram``: LRU bounded by bytes. ``ssd``: append-only segment files + index (``record`` format,

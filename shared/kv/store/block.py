@@ -3,7 +3,11 @@
 ``StoredBlock`` is frozen and validated at construction, so every tier can trust it:
 - ``block_hash`` is the chained hash of ``shared/kv/block_hash.py`` (unsigned 64-bit; the model id and the
   tenant's cache salt are already inside it, so tenants never share a block).
-- ``token_ids`` are the block's tokens: a hit is confirmed by comparing them, never by hash alone.
+- ``digest`` is the block's 32-byte chained digest (the hash is its low 64 bits: it covers every earlier
+  token, the model fingerprint and the salt) and ``fingerprint`` the model build that computed the KV; both are
+  empty for blocks stored without them (older senders, tools), which only a get naming neither can hit.
+- ``token_ids`` are the block's tokens: a hit is confirmed by comparing them, the digest and the fingerprint
+  (``matches``), never by hash alone, so neither a 64-bit collision nor another build's block is ever served.
 - ``payload`` is the block's K and V for every layer as raw bytes, laid out as ``dtype[shape]``
   (e.g. shape ``[num_layers, 2, block_size, num_kv_heads, head_dim]``); ``len(payload)`` equals
   ``prod(shape) * itemsize(dtype)``. The store never interprets it beyond that check (no torch needed).
@@ -20,6 +24,8 @@ MAX_HASH = (1 << 64) - 1
 MAX_TOKEN_ID = (1 << 32) - 1     # block_hash packs token ids as uint32
 MAX_BLOCK_TOKENS = 1024          # bounds a record's metadata (a block is 16 tokens by default)
 MAX_SHAPE_DIMS = 8
+MAX_DIGEST_BYTES = 64
+MAX_FINGERPRINT_CHARS = 64
 
 # Wire names as in shared/kv/transport.py (handles' "dtype"), with their element sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -56,9 +62,12 @@ class StoredBlock:
     dtype: str
     shape: tuple[int, ...]
     payload: bytes               # dtype[shape], C order
+    digest: bytes = b""          # chained digest (shared/kv/block_hash.py), or b""
+    fingerprint: str = ""        # model build (shared/model/fingerprint.py), or ""
 
     def __post_init__(self) -> None:
         check_hash(self.block_hash)
+        check_identity(self.digest, self.fingerprint)
         object.__setattr__(self, "token_ids", check_token_ids(self.token_ids))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise invalid(f"unknown KV dtype {self.dtype!r:.40}")
@@ -77,9 +86,26 @@ class StoredBlock:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the store accounts for this block in DRAM: payload plus 4 per token id."""
-        return len(self.payload) + 4 * len(self.token_ids)
+        """Bytes the store accounts for this block in DRAM: payload, 4 per token id, digest and fingerprint."""
+        return len(self.payload) + 4 * len(self.token_ids) + len(self.digest) + len(self.fingerprint)
 
-    def matches(self, token_ids: Sequence[int]) -> bool:
-        """Whether this block holds exactly ``token_ids`` (the hit check every consumer makes)."""
-        return self.token_ids == tuple(token_ids)
+    def matches(self, token_ids: Sequence[int], digest: bytes = b"", fingerprint: str = "") -> bool:
+        """Whether this block holds exactly ``token_ids`` and is the block ``digest`` of the build ``fingerprint``
+        (the hit check every consumer makes)."""
+        return self.mismatch(token_ids, digest, fingerprint) is None
+
+    def mismatch(self, token_ids: Sequence[int], digest: bytes = b"", fingerprint: str = "") -> str | None:
+        """None on a hit; ``"tokens"`` when the tokens differ; ``"identity"`` when they are equal but the digest
+        or the build differs (a 64-bit hash collision, the same tokens under another prefix, or another build's
+        block)."""
+        if self.token_ids != tuple(token_ids):
+            return "tokens"
+        return None if self.digest == digest and self.fingerprint == fingerprint else "identity"
+
+
+def check_identity(digest: object, fingerprint: object) -> None:
+    """``invalid_request`` unless ``digest`` is bytes and ``fingerprint`` an ASCII str, both within bounds."""
+    if not isinstance(digest, bytes) or len(digest) > MAX_DIGEST_BYTES:
+        raise invalid(f"digest must be at most {MAX_DIGEST_BYTES} bytes, got {digest!r:.40}")
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT_CHARS or not fingerprint.isascii():
+        raise invalid(f"fingerprint must be an ASCII str of at most {MAX_FINGERPRINT_CHARS}, got {fingerprint!r:.40}")

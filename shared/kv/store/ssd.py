@@ -138,9 +138,10 @@ class SsdTier:
             self._files.sync()
             return acked
 
-    def get(self, block_hash: int, token_ids: Sequence[int], retention: str) -> tuple[StoredBlock, BlockMeta] | None:
+    def get(self, block_hash: int, token_ids: Sequence[int], retention: str, digest: bytes = b"",
+            fingerprint: str = "") -> tuple[StoredBlock, BlockMeta] | None:
         """The block and its retention state after this use, or None: absent, expired, failed its checksums
-        (dropped), or holding other tokens (a hash collision). A hit extends the expiry by ``retention``."""
+        (dropped), or another block (tokens, digest or build differ). A hit extends the expiry by ``retention``."""
         with self._lock:
             self._check_open()
             loc = self._index.get(block_hash)
@@ -165,8 +166,9 @@ class SsdTier:
                 return None
             self._stats.ssd_bytes_read += len(record)
             block = decoded[0]
-            if not block.matches(token_ids):
-                self._stats.ssd_token_mismatches += 1
+            if (miss := block.mismatch(token_ids, digest, fingerprint)) is not None:
+                self._stats.ssd_token_mismatches += miss == "tokens"
+                self._stats.ssd_identity_mismatches += miss == "identity"
                 return None
             self._touch(block_hash, self.config.retention.new_meta(retention, now))
             return block, loc.meta.copy()

@@ -23,6 +23,7 @@ class StoreStats:
     dram_evictions: int = 0           # LRU pushes (incl. blocks too big for DRAM), whatever became of them
     dram_expiries: int = 0
     dram_token_mismatches: int = 0    # hash matched, tokens did not: a miss
+    dram_identity_mismatches: int = 0  # hash and tokens matched, digest or model build did not: a miss
     promotions: int = 0               # SSD -> DRAM on a hit
     writebacks: int = 0               # DRAM -> SSD blocks acknowledged (eviction or flush)
     writeback_failures: int = 0       # blocks lost to an SSD write error (logged)
@@ -31,6 +32,7 @@ class StoreStats:
     ssd_evictions: int = 0            # capacity evictions in (expiry, last_use) order
     ssd_expiries: int = 0
     ssd_token_mismatches: int = 0
+    ssd_identity_mismatches: int = 0
     ssd_checksum_failures: int = 0    # records never served: bad checksum, torn or unreadable
     ssd_bytes_read: int = 0
     ssd_bytes_written: int = 0        # every record byte appended (blocks, touches, compaction copies)

@@ -6,8 +6,9 @@ are serialized in submission order; concurrent coroutines are safe.
 
 Invariants:
 - A held block is in DRAM, on SSD, or both (the DRAM entry is then ``on_ssd``: clean), or *in flight* to SSD
-  (``_inflight``, still served). A get returns a block only if it is unexpired and its tokens equal the
-  request's; every other outcome is a counted miss.
+  (``_inflight``, still served). A get returns a block only if it is unexpired and its tokens, digest and
+  model fingerprint equal the request's; every other outcome is a counted miss. A put of another block under
+  a hash already held (a 64-bit collision) replaces it: one block per hash, never a mix.
 - Moves: a block pushed out of DRAM by LRU pressure is written back to SSD unless it is expired (dropped),
   DRAM-only (class ttl 0: dropped) or a clean copy of a record the SSD still holds (only its newer retention
   state is sent). An SSD hit is promoted into DRAM as a clean entry.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.store.block import StoredBlock, check_hash, check_token_ids
+from shared.kv.store.block import StoredBlock, check_hash, check_identity, check_token_ids
 from shared.kv.store.clock import Clock, SystemClock
 from shared.kv.store.config import StoreConfig
 from shared.kv.store.dram import DramEntry, DramTier
@@ -173,12 +174,15 @@ class TieredBlockStore:
         return self._ssd.put_many(items)
 
     # -- reads --------------------------------------------------------------------------------------------
-    async def get(self, block_hash: int, token_ids: Sequence[int], retention: str) -> StoredBlock | None:
-        """The block of ``block_hash`` holding exactly ``token_ids``, or None; a hit by a request of class
-        ``retention`` extends its expiry. Raises ``invalid_request`` on a malformed argument."""
+    async def get(self, block_hash: int, token_ids: Sequence[int], retention: str, digest: bytes = b"",
+                  fingerprint: str = "") -> StoredBlock | None:
+        """The block of ``block_hash`` holding exactly ``token_ids`` whose digest and model build are ``digest``
+        and ``fingerprint`` (``StoredBlock.matches``), or None; a hit by a request of class ``retention`` extends
+        its expiry. Raises ``invalid_request`` on a malformed argument."""
         self._check_open()
         check_hash(block_hash)
         token_ids = check_token_ids(token_ids)
+        check_identity(digest, fingerprint)
         fresh = self.config.retention.new_meta(retention, self._clock.now())
         now = fresh.last_use
         entry = self._dram.get(block_hash) or self._inflight.get(block_hash)
@@ -186,8 +190,9 @@ class TieredBlockStore:
             if self._dram.pop(block_hash) is not None:
                 self._stats.dram_expiries += 1
             entry = None
-        elif entry is not None and not entry.block.matches(token_ids):
-            self._stats.dram_token_mismatches += 1
+        elif entry is not None and (miss := entry.block.mismatch(token_ids, digest, fingerprint)) is not None:
+            self._stats.dram_token_mismatches += miss == "tokens"
+            self._stats.dram_identity_mismatches += miss == "identity"
             entry = None
         if entry is not None:
             entry.meta.merge(fresh)
@@ -200,7 +205,7 @@ class TieredBlockStore:
         self._stats.dram_misses += 1
         found = None
         if self._ssd.contains(block_hash):
-            found = await self._on_ssd(self._ssd.get, block_hash, token_ids, retention)
+            found = await self._on_ssd(self._ssd.get, block_hash, token_ids, retention, digest, fingerprint)
         if found is None:
             self._stats.ssd_misses += 1
             self._stats.misses += 1

@@ -1,0 +1,136 @@
+"""The worker-path wire messages: a request's ``Sampling`` and what the router and workers send each other to
+serve it (``PrefillRequest``, ``KVHandoff``, ``DecodeLocalRequest``). Same codec and rules as every message
+(``shared.wire_validation``); import them from ``shared.protocol``, which re-exports them.
+
+Model identity: each carries ``model_fingerprint`` (``shared/model/fingerprint.py``), the build the work is for
+(router -> worker: "" = any build) or the build that computed the KV (hand-off: "" is refused); a worker of
+another build answers ``model_mismatch`` and changes nothing, so foreign KV is never served.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from shared.protocol_control import MAX_CONTROL_BYTES, _check_fingerprint
+from shared.sampling_rules import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
+from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
+                                _check_worker, _require)
+from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
+
+MAX_PROMPT_TOKENS = 1_000_000
+DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+          "int64", "int32", "int16", "int8", "uint8")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class Sampling(WireModel):
+    """A request's sampling parameters, nested in every internal message that carries a request. The router
+    builds it once from the client's request (``GenerateRequest.sampling()``); it travels unchanged through
+    prefill and hand-off; each engine turns it into its ``SamplingParams`` once. Rules:
+    ``shared/sampling_rules.py`` (the same ones the engine runs)."""
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    speculative: bool | None = None  # speculative decoding; None = the decode worker's default
+
+    def _check(self) -> None:
+        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                       top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                       min_tokens=self.min_tokens)
+
+
+class _SamplingChecks:
+    """Rules shared by the internal requests that carry a prompt and sampling for one request."""
+    __slots__ = ()
+
+    def _check_common(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        _check_id("retention", self.retention)
+        _check_tokens("prompt_token_ids", self.prompt_token_ids)
+        _check_subject("reply_to", self.reply_to)
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
+
+
+@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
+class PrefillRequest(WireModel, _SamplingChecks):
+    """Router -> prefill worker: prefill, sample the first token, hand the KV to ``decode_worker``. A worker of
+    another build than ``model_fingerprint`` refuses it (``model_mismatch``; "" = any build)."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    sampling: Sampling
+    decode_worker: str
+    transport: str
+    reply_to: str                   # subject receiving TokenChunks
+    cache_salt: str = ""
+    deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
+    retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
+    model_fingerprint: str = ""     # the build the router placed it for (shared/model/fingerprint.py)
+
+    def _check(self) -> None:
+        self._check_common()
+        _check_worker("decode_worker", self.decode_worker)
+        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+
+
+@wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt, like PrefillRequest
+class KVHandoff(WireModel, _SamplingChecks):
+    """Prefill worker -> decode worker: KV of ``num_blocks`` blocks of ``block_shape`` / ``dtype``, computed by
+    the build ``model_fingerprint``, is available through ``transport`` / ``handle``; decoding continues after
+    ``first_token``. A decode worker of another build (or a hand-off naming none) refuses it before fetching
+    anything (``model_mismatch``: the router re-places the request)."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    first_token: int
+    sampling: Sampling
+    reply_to: str
+    cache_salt: str
+    num_blocks: int
+    block_shape: list[int]          # ONE block, e.g. [num_layers, 2, block_size, kv_heads, head_dim]
+    dtype: str                      # torch dtype name without "torch.", e.g. "float32"
+    transport: str
+    handle: dict[str, Any]          # transport-specific
+    num_cached_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_worker: str = ""
+    retention: str = "none"
+    tier_cached_tokens: int = 0     # of num_cached_tokens, pulled from the cache tier
+    model_fingerprint: str = ""     # the prefill worker's build ("" from older senders: refused)
+
+    def _check(self) -> None:
+        self._check_common()
+        _check_range("first_token", self.first_token, 0)
+        _check_range("num_blocks", self.num_blocks, 0)
+        _require(bool(self.block_shape) and min(self.block_shape) > 0,
+                 "field 'block_shape': must be a non-empty list of positive ints")
+        _check_one_of("dtype", self.dtype, DTYPES)
+        _require(bool(self.transport), "field 'transport': must not be empty")
+        _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
+        _check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
+        _check_range("ttft_ms", self.ttft_ms, 0.0)
+        if self.prefill_worker:
+            _check_worker("prefill_worker", self.prefill_worker)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class DecodeLocalRequest(WireModel, _SamplingChecks):
+    """Router -> decode worker: prefill locally (conditional disaggregation), then decode (``model_fingerprint``
+    as in ``PrefillRequest``)."""
+    request_id: str
+    prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    sampling: Sampling
+    reply_to: str
+    cache_salt: str = ""
+    deadline_s: float = 60.0
+    retention: str = "none"
+    model_fingerprint: str = ""
+
+    def _check(self) -> None:
+        self._check_common()
+        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")

@@ -5,6 +5,11 @@ alive workers that are not draining (a draining worker is still alive: the strea
 as usual). An entry dead for longer than ``forget_after_s`` is dropped by ``prune`` (restarted workers come
 back under new ids, so the table would otherwise grow forever). Placement itself is the
 policy's (``shared/sched/`` via ``services/router/placement.py``).
+
+A worker that was dead and heartbeats again (a host whose link came back, a worker whose NATS connection
+resumed) takes new work only after ``rejoin_after_s`` of unbroken heartbeats: a connection that resumes after a
+cut first delivers heartbeats it buffered, then is often dropped as stale and replaced, and work sent to it in
+that window is lost (a hand-off then waits out its timeout). A worker seen for the first time takes work at once.
 """
 from __future__ import annotations
 
@@ -18,13 +23,17 @@ from shared import protocol
 class WorkerState:
     report: protocol.LoadReport
     last_seen: float
+    since: float = 0.0  # start of its current run of heartbeats (each less than dead_after_s after the last)
+    rejoined: bool = False  # the current run followed a silence of dead_after_s or more
     inflight: int = 0  # requests this router placed there that have not finished yet
     inflight_tokens: int = 0  # prompt tokens this router sent there to prefill, not finished yet
 
 
 class WorkerTable:
-    def __init__(self, dead_after_s: float, forget_after_s: float | None = None) -> None:
+    def __init__(self, dead_after_s: float, forget_after_s: float | None = None,
+                 rejoin_after_s: float | None = None) -> None:
         self.dead_after_s = dead_after_s
+        self.rejoin_after_s = dead_after_s if rejoin_after_s is None else rejoin_after_s
         self.forget_after_s = max(dead_after_s, forget_after_s if forget_after_s is not None else 10 * dead_after_s)
         self.workers: dict[str, WorkerState] = {}
 
@@ -32,9 +41,11 @@ class WorkerTable:
         now = time.monotonic() if now is None else now
         state = self.workers.get(report.worker_id)
         if state is None:
-            self.workers[report.worker_id] = WorkerState(report, now)
-        else:
-            state.report, state.last_seen = report, now
+            self.workers[report.worker_id] = WorkerState(report, now, since=now)
+            return
+        if now - state.last_seen >= self.dead_after_s:  # back after a silence: a new run starts
+            state.since, state.rejoined = now, True
+        state.report, state.last_seen = report, now
 
     def is_alive(self, worker_id: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -45,7 +56,8 @@ class WorkerTable:
         """Workers of ``role`` that take new work: heartbeating and not draining."""
         now = time.monotonic() if now is None else now
         return [s for s in self.workers.values()
-                if s.report.role == role and not s.report.draining and now - s.last_seen < self.dead_after_s]
+                if s.report.role == role and not s.report.draining and now - s.last_seen < self.dead_after_s
+                and (not s.rejoined or now - s.since >= self.rejoin_after_s)]
 
     def prune(self, now: float | None = None) -> list[str]:
         """Drop workers silent for longer than ``forget_after_s``; returns their ids."""

@@ -28,6 +28,22 @@ def test_alive_excludes_draining_but_streams_still_see_them_alive():
     assert not table.is_alive("d0", now=3.0)
 
 
+def test_a_worker_back_from_the_dead_takes_work_only_after_unbroken_heartbeats():
+    table = WorkerTable(dead_after_s=3.0)
+    table.update(report("d0"), now=0.0)
+    assert [s.report.worker_id for s in table.alive("decode", now=0.0)] == ["d0"]  # new: at once
+    table.update(report("d0"), now=10.0)        # silent for 10 s (a cut link), then its buffered beats arrive
+    assert table.is_alive("d0", now=10.5)        # streams still count it
+    assert table.alive("decode", now=10.5) == []
+    table.update(report("d0"), now=11.0)
+    table.update(report("d0"), now=12.0)
+    assert table.alive("decode", now=12.9) == []
+    table.update(report("d0"), now=13.0)
+    assert [s.report.worker_id for s in table.alive("decode", now=13.0)] == ["d0"]  # 3 s unbroken
+    table.update(report("d0"), now=20.0)        # another silence restarts the wait
+    assert table.alive("decode", now=20.0) == []
+
+
 def test_prune_forgets_workers_dead_past_forget_after():
     table = WorkerTable(dead_after_s=1.0, forget_after_s=5.0)
     for i in range(100):  # restarts under fresh random ids

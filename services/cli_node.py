@@ -61,6 +61,7 @@ def add_parser(sub) -> None:
     cli_up.add_draft_args(node)
     node.add_argument("--drafter", default="prompt_lookup")
     node.add_argument("--model", default=None)
+    node.add_argument("--served-model-name", default="", help="the router's model id for clients")
     node.add_argument("--dtype", default="auto")
     node.add_argument("--local-prefill-threshold", type=int, default=64)
     node.add_argument("--kv-cache-mb", type=int, default=256)
@@ -84,7 +85,7 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
     cluster = NatsClusterNode(server_name=args.name, listen=f"{args.nats_host}:{args.route_port}",
                               routes=tuple(join), route_password=passwords.get(ROUTE_USER, ""))
     replicas = args.registry_replicas or min(3, 1 + len(join))
-    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", dtype=args.dtype,
+    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", served_model_name=args.served_model_name, dtype=args.dtype,
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        draft=cli_up.draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,

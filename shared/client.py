@@ -22,14 +22,15 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
                           tenant: str | None = None) -> AsyncIterator[protocol.TokenChunk]:
     """Yield the request's chunks in order; raise ``DeepinferError`` on an error reply or a gap.
 
-    ``idle_timeout`` (default: the request's timeout + 5 s) bounds the wait for each chunk. ``tenant``: send
+    ``idle_timeout`` (default: the request's timeout, else the router's ``MAX_REQUEST_S``, + 5 s) bounds the wait
+    for each chunk. ``tenant``: send
     as that authenticated tenant (``di.v1.generate.<tenant>``, the NATS user ``client-<tenant>``'s subject).
     """
     generate_subject = subjects.generate_as(tenant) if tenant else subjects.GENERATE
     cancel_subject = subjects.cancel_as(tenant) if tenant else subjects.CANCEL
     if not request.request_id:  # an id lets us cancel when we leave early
         request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
-    idle = idle_timeout if idle_timeout is not None else request.timeout_s + 5.0
+    idle = idle_timeout if idle_timeout is not None else (request.timeout_s or protocol.MAX_REQUEST_S) + 5.0
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, pending_msgs_limit=request.max_tokens + 16)
     done = False

@@ -21,6 +21,7 @@ class ClusterSpec:
     decode: int = 1
     nats_url: str = ""  # "" = start an embedded nats-server
     model: str = ""
+    served_model_name: str = ""  # the router's model id for clients ("" = from the model file)
     dtype: str = "auto"
     kv_cache_mb: int = 256
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"

@@ -77,6 +77,7 @@ class RouterConfig:
     host_id: str = ""  # same-host KV transports only between equal ids ("" = derived: shared/host_identity.py)
     registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     model: str = ""  # for the tokenizer; must be the workers' model
+    served_model_name: str = ""  # the model id clients name (/v1/models); "" = from the model file (shared/model/locate.py)
     local_prefill_threshold: int = 64  # prompts up to this many tokens prefill on the decode worker
     worker_dead_after_s: float = 3.0  # no heartbeat for this long = dead
     dispatch_timeout_s: float = 5.0  # a worker must accept a request within this

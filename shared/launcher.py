@@ -187,7 +187,8 @@ class Cluster:
         return [*self._common_args(self.router_name),
                 "--local-prefill-threshold", str(s.local_prefill_threshold), "--policy", s.policy,
                 "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
-                *(["--model", s.model] if s.model else [])]
+                *(["--model", s.model] if s.model else []),
+                *(["--served-model-name", s.served_model_name] if s.served_model_name else [])]
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
         nc = await self.connect_as(nats_auth.MONITOR, "launcher")  # may subscribe to heartbeats, nothing more

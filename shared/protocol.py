@@ -59,6 +59,9 @@ def _error(code: str, message: str) -> DeepinferError:
 
 # ---- messages ------------------------------------------------------------------------------------------
 
+MAX_REQUEST_S = 3600.0  # a request without ``timeout_s`` has no deadline of its own; the router still ends it then
+
+
 @wire_message(MAX_REQUEST_BYTES)
 class GenerateRequest(WireModel):
     """Client API request. Exactly one of ``prompt`` / ``messages`` (chat) / ``prompt_token_ids``."""
@@ -76,7 +79,7 @@ class GenerateRequest(WireModel):
     stop_token_ids: list[int] = wire_field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    timeout_s: float = 60.0
+    timeout_s: float | None = None  # the client's deadline (s); None: none but the router's MAX_REQUEST_S backstop
     cache_salt: str = ""
     prefill_mode: str = "auto"      # "auto" | "remote" | "local"
     transport: str = ""             # force a KV transport; "" = router chooses
@@ -97,7 +100,8 @@ class GenerateRequest(WireModel):
                          f"field 'messages[{i}]': needs a non-empty str 'role' and a str 'content'")
         if self.prompt_token_ids is not None:
             _check_tokens("prompt_token_ids", self.prompt_token_ids)
-        _require(0 < self.timeout_s <= 3600, f"field 'timeout_s': must be in (0, 3600], got {self.timeout_s}")
+        _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_S,
+                 f"field 'timeout_s': must be in (0, {MAX_REQUEST_S:.0f}] or absent, got {self.timeout_s}")
         _check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
         self.sampling()
 

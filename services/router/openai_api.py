@@ -3,8 +3,10 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour (``n`` > 1, ``logprobs``, penalties, tools, non-text content) are rejected, never ignored.
-  Unknown fields are ignored, as OpenAI-compatible servers do (clients send vendor fields).
+  cannot honour (``n`` > 1, ``logprobs``, penalties, tools, non-text content) are rejected, never ignored, and so
+  are parameters we do not know (``min_p`` != 0, ``tool_choice``, a typo): a client must not believe a setting
+  took effect. A parameter at its neutral value (``repetition_penalty: 1.0``, ``logprobs: null``, ``best_of: 1``,
+  ``min_p: 0``, the penalties at 0: what benchmark clients send on every call) changes nothing and is accepted.
 - deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
   ``speculative``, ``prefill_mode``, ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
   ``cache_salt``, ``timeout_s``.
@@ -24,8 +26,12 @@ CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI
 _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": int, "min_tokens": int,
            "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": (int, float)}
 _UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+_NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "best_of": 1}  # accepted at exactly this value (or null)
+_KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
+          *_EXTRAS, *_UNSUPPORTED_NONZERO}
+_KNOWN_CHAT = {"messages", "max_completion_tokens"}
 _UNSUPPORTED_SET = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix", "echo",
-                    "best_of", "response_format")
+                    "response_format")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
                503: "service_unavailable", 504: "timeout", 500: "server_error"}
@@ -103,6 +109,13 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     """Translate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    for name in sorted(set(body) - _KNOWN - (_KNOWN_CHAT if chat else {"prompt"}) - set(_UNSUPPORTED_SET)):
+        neutral = _NEUTRAL.get(name)
+        if neutral is None:
+            raise invalid(f"parameter '{name}' is not supported")
+        value = body[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != neutral):
+            raise invalid(f"parameter '{name}' is not supported (only {neutral!r}, which changes nothing)")
     for name in _UNSUPPORTED_SET:
         if body.get(name) not in (None, False):
             raise invalid(f"parameter '{name}' is not supported")

@@ -13,7 +13,7 @@ def test_completion_body_maps_every_parameter():
     call = parse_call({"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
                        "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
                        "retention": "agent", "speculative": False, "prefill_mode": "local", "top_k": 4,
-                       "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [5], "unknown_vendor_field": 1},
+                       "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [5]},
                       chat=False)
     r = call.request
     assert (r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop) == ("hi", 7, 0.0, 0.5, 3, ["END"])
@@ -52,6 +52,29 @@ def test_bad_completion_bodies_are_invalid_requests(body):
     with pytest.raises(DeepinferError) as err:
         parse_call(body, chat=False)
     assert err.value.code == ErrorCode.INVALID_REQUEST and err.value.http_status == 400
+
+
+@pytest.mark.parametrize("extra", [{"min_p": 0.1}, {"tool_choice": "auto"}, {"repetition_penalty": 1.2},
+                                   {"best_of": 2}, {"temprature": 0.5}, {"messages": [{"role": "user", "content": "x"}]},
+                                   {"min_p": True}, {"repetition_penalty": "1.0"}])
+def test_unknown_or_unhonoured_parameters_are_refused_not_dropped(extra):
+    with pytest.raises(DeepinferError) as err:
+        parse_call({"prompt": "hi", **extra}, chat=False)
+    assert err.value.code is ErrorCode.INVALID_REQUEST and next(iter(extra)) in err.value.message
+
+
+def test_neutral_values_that_benchmark_clients_always_send_are_accepted():
+    # vLLM's benchmark client sends these on every completion
+    body = {"model": "m", "prompt": [1, 2, 3], "temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.0, "logprobs": None,
+            "best_of": 1, "min_p": 0.0, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": None}
+    call = parse_call(body, chat=False)
+    assert call.request.prompt_token_ids == [1, 2, 3] and call.request.max_tokens == 8 and call.stream
+    chat = parse_call({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4,
+                       "repetition_penalty": None}, chat=True)
+    assert chat.request.max_tokens == 4
+    with pytest.raises(DeepinferError):
+        parse_call({"messages": [{"role": "user", "content": "x"}], "prompt": "also"}, chat=True)
 
 
 @pytest.mark.parametrize("messages", [None, [], ["hi"], [{"content": "x"}], [{"role": "user", "content": 3}],

@@ -9,9 +9,11 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 
+from shared import nats_auth
 from shared.http_client import stream_events
 from shared.launcher import Cluster, ClusterSpec
 
@@ -48,6 +50,9 @@ def add_parser(sub) -> None:
                     help="HTTP calls need one of these keys; its tenant salts the cache (default: no keys)")
     up.add_argument("--no-auth", action="store_true",
                     help="start nats-server without users (default: one user per role, fresh passwords)")
+    up.add_argument("--passwords-file", default="", metavar="FILE",
+                    help="with --nats: that server's NATS_PASSWORD_<USER>=... lines (python -m shared.nats_auth env); "
+                         "--nats needs this or --no-auth")
     up.add_argument("--tenants", default="", metavar="A,B",
                     help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
     up.add_argument("--demo", action="store_true", help="send one demo chat request through the HTTP API once up")
@@ -90,13 +95,19 @@ def default_prefill_workers() -> int:
 def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) -> ClusterSpec:
     """The ``ClusterSpec`` of ``deepinfer up``'s flags; ``ValueError`` for a bad combination (e.g. --tenants
     without auth). Auth: the embedded server only (a --nats server's users are not ours to make)."""
+    if args.nats and not args.no_auth and not args.passwords_file:
+        raise ValueError("--nats needs that server's passwords (--passwords-file FILE, the NATS_PASSWORD_<USER>=... "
+                         "lines its users were made from) or an explicit --no-auth")
+    passwords = nats_auth.read_passwords(Path(args.passwords_file).read_text()) if args.passwords_file else {}
+    if passwords and nats_auth.MONITOR not in passwords:
+        raise ValueError("the passwords file has no monitor password (python -m shared.nats_auth env --monitor)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
     return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        served_model_name=args.served_model_name, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        draft=draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
-                       http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth and not args.nats,
+                       http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
                        tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
 
 
@@ -104,7 +115,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
     """``deepinfer up``; everything shown goes through ``emit`` (``print``'s signature)."""
     try:
         spec = spec_from_args(args, emit)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         emit(f"deepinfer: error: {err}", file=sys.stderr)
         return 2
     if args.demo and spec.http_port < 0:

@@ -229,7 +229,7 @@ def test_no_auth_cluster_has_no_credentials():
     assert cluster.client_credentials == ("", "") and cluster.client_url() == cluster.nats_url
 
 
-def test_cli_auth_flags(monkeypatch):
+def test_cli_auth_flags(monkeypatch, tmp_path):
     from services.cli import build_parser
     from services.cli_up import run as run_up
 
@@ -238,6 +238,14 @@ def test_cli_auth_flags(monkeypatch):
     assert build_parser().parse_args(["up", "--no-auth"]).no_auth
     assert run_up(build_parser().parse_args(["up", "--no-auth", "--tenants", "a"])) == 2  # before starting anything
     assert run_up(build_parser().parse_args(["up", "--tenants", "a.b"])) == 2
+    # an existing server: its passwords, or an explicit --no-auth (never silently without authentication)
+    assert run_up(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1"])) == 2
+    from services.cli_up import spec_from_args
+    assert not spec_from_args(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1", "--no-auth"])).auth
+    env = tmp_path / "cluster.env"
+    env.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in nats_auth.generate_passwords().items()))
+    spec = spec_from_args(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1", "--passwords-file", str(env)]))
+    assert spec.auth and spec.passwords["router"] and spec.nats_url == "nats://127.0.0.1:1"
     monkeypatch.setenv("DEEPINFER_NATS_USER", "client")
     monkeypatch.setenv("DEEPINFER_NATS_PASSWORD", "pw")
     for argv in (["generate", "hi", "--url", "nats://h:1"], ["status", "--url", "nats://h:1"]):

@@ -47,5 +47,5 @@ def test_up_defaults_to_one_aggregated_worker_on_a_cpu_host_and_names_the_model(
     if cli_up.default_prefill_workers() == 0:  # fewer than 2 GPUs here
         assert spec().prefill == 0 and spec().decode == 1
     assert spec("--prefill", "1").prefill == 1
-    named = spec("--served-model-name", "smollm", "--nats", "nats://127.0.0.1:1")
+    named = spec("--served-model-name", "smollm", "--nats", "nats://127.0.0.1:1", "--no-auth")
     assert load_config(RouterConfig, Cluster(named).router_args()).served_model_name == "smollm"

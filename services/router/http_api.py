@@ -12,6 +12,10 @@ accounting). Invariants:
   relay, which publishes the cancel).
 - Buffers are bounded: a body over ``MAX_BODY_BYTES`` is 413; chunks wait in a queue of ``QUEUE_CHUNKS``
   (a slow reader slows the relay, it does not grow memory).
+- Waits are bounded: a streaming client that reads nothing for ``STALL_S`` (a write to it cannot complete) is
+  cut off and its request cancelled on the workers, and a relay never waits longer than that for room in the
+  queue (then the chunk is dropped: the handler is cutting that client off), so stalled clients cannot pin
+  router slots.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 QUEUE_CHUNKS = 64
+STALL_S = 30.0  # a client that takes nothing for this long is cut off
 RETRY_AFTER_S = "1"
 
 
@@ -50,13 +55,21 @@ class ChunkSink:
     """The relay's ``send`` for one HTTP request: a bounded queue the handler reads. Once the handler is gone
     (``close``), sends are dropped, so a cancelled relay never blocks on a full queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_s: float | None = None) -> None:
         self.queue: asyncio.Queue[protocol.TokenChunk] = asyncio.Queue(QUEUE_CHUNKS)
         self.closed = False
+        self.stall_s = STALL_S if stall_s is None else stall_s
 
     async def send(self, chunk: protocol.TokenChunk) -> None:
-        if not self.closed:
-            await self.queue.put(chunk)
+        """Queue ``chunk`` for the handler; waits at most ``stall_s`` for room, then drops it and every later
+        chunk (the handler, stuck writing to a client that reads nothing, is cutting it off)."""
+        if self.closed:
+            return
+        try:
+            await asyncio.wait_for(self.queue.put(chunk), self.stall_s)
+        except asyncio.TimeoutError:
+            logger.info("[%s] the client takes no chunks: dropping the rest", chunk.request_id)
+            self.closed = True
 
     def close(self) -> None:
         self.closed = True
@@ -192,18 +205,29 @@ class HttpApi:
         while True:
             err = openai_api.chunk_error(chunk) if chunk.final else None
             if err is not None:
-                await _sse(response, openai_api.error_body(err)[1])
+                await _sse(request, response, openai_api.error_body(err)[1])
             else:
                 for event in openai_api.stream_events(call, rid, created, chunk, first):
-                    await _sse(response, event)
+                    await _sse(request, response, event)
             first = False
             if chunk.final:
                 break
             chunk = await self._next(sink, task)
-        await response.write(b"data: [DONE]\n\n")
+        await _write(request, response, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
 
-async def _sse(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+async def _sse(request: web.Request, response: web.StreamResponse, payload: dict) -> None:
+    await _write(request, response, b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+    """Write within ``STALL_S``, else close the client's connection and raise ``ConnectionResetError`` (the
+    handler then cancels the request)."""
+    try:
+        await asyncio.wait_for(response.write(data), STALL_S)
+    except asyncio.TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()              # its buffered bytes are dropped with it
+        raise ConnectionResetError(f"the client read nothing for {STALL_S:.0f} s: cut off") from None

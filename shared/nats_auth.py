@@ -13,7 +13,8 @@ Invariants (tests/unit/test_nats_auth.py, tests/integration/test_nats_permission
   inboxes named inside message bodies or streamed to are explicit: workers publish TokenChunks to
   ``_INBOX.router.>`` (``PrefillRequest.reply_to``), the router streams to its clients' inboxes.
 - ``client`` publishes ``GENERATE`` and ``CANCEL`` only; ``client-<t>`` only ``generate_as(t)`` and
-  ``cancel_as(t)``. Only the services that own them publish heartbeats, KV events, hand-offs, prefill
+  ``cancel_as(t)``; those reach the router, which decides; only the router publishes ``WORK_CANCEL``, the
+  cancel workers obey. Only the services that own them publish heartbeats, KV events, hand-offs, prefill
   requests, cache operations and registry entries.
 - Passwords never reach a command line: rendered configs hold them (literal, or ``$NATS_PASSWORD_<ROLE>``
   environment references in the compose config), services read them from ``DEEPINFER_NATS_PASSWORD``.
@@ -101,12 +102,12 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
     if user == "router":
         clients = ["client", *(tenant_user(t) for t in tenants)]
         return _service(user,
-                        publish=(S.PREFILL_ALL, S.DECODE_ALL, S.CANCEL, S.ctl_all("kv_snapshot"),
+                        publish=(S.PREFILL_ALL, S.DECODE_ALL, S.WORK_CANCEL, S.ctl_all("kv_snapshot"),
                                  S.ctl_all("probe"), *(S.inbox_all(c) for c in clients)),
                         subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.LOAD_ALL,
                                    S.KV_EVENTS))
     if user in ("prefill", "decode"):
-        worker_sub = (S.CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
+        worker_sub = (S.WORK_CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
                       S.KV_PULL_ALL,  # serve staged transfers (hand-offs, tier write-backs)
                       S.LOAD_ALL)     # the cache tier's heartbeats (TierClient)
         worker_pub = (S.KV_EVENTS, S.KV_PULL_ALL, *_CACHE_CLIENT,

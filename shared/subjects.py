@@ -34,7 +34,8 @@ import hashlib
 PREFIX = "di.v1"
 
 GENERATE = f"{PREFIX}.generate"
-CANCEL = f"{PREFIX}.cancel"
+CANCEL = f"{PREFIX}.cancel"  # clients -> router (the router checks who may cancel what)
+WORK_CANCEL = f"{PREFIX}.work_cancel"  # router -> workers: only the router role may publish it
 KV_EVENTS = f"{PREFIX}.kv.events"
 GENERATE_TENANTS = f"{PREFIX}.generate.*"
 CANCEL_TENANTS = f"{PREFIX}.cancel.*"

@@ -96,7 +96,7 @@ class Worker(Service):
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
         await self.serve_handlers()
-        await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
+        await self.runtime.serve(subjects.WORK_CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "probe"), self.on_probe, work=False)
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)

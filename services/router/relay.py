@@ -140,7 +140,8 @@ class Relay:
             account.close()
             await sub.unsubscribe()
             if not finished:  # stop whatever the workers are still doing for this attempt
-                await self.nc.publish(subjects.CANCEL, protocol.encode(protocol.CancelRequest(request_id=work_id)))
+                await self.nc.publish(subjects.WORK_CANCEL,
+                                      protocol.encode(protocol.CancelRequest(request_id=work_id)))
 
     async def probe(self, worker_id: str, work_id: str) -> bool | None:
         """Whether ``worker_id`` still holds ``work_id``; None when it did not answer in time."""

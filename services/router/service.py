@@ -63,7 +63,7 @@ class RouterService(Service):
         self.runtime: ServiceRuntime | None = None
         self.relay: Relay | None = None
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
-        self.owners: dict[str, str | None] = {}  # client request id -> its tenant (None: plain API)
+        self.owners: dict[str, tuple[str, str | None]] = {}  # client request id -> (its API, its tenant or None)
         self.http: HttpApi | None = None
         self._draining = False
         self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
@@ -157,7 +157,7 @@ class RouterService(Service):
         requests, the plain subject those that came without a tenant."""
         rid = protocol.decode(msg.data, protocol.CancelRequest).request_id
         task = self.relays.get(rid)
-        if task is not None and self.owners.get(rid) == subjects.tenant_of(msg.subject):
+        if task is not None and self.owners.get(rid) == ("nats", subjects.tenant_of(msg.subject)):
             task.cancel()
 
     async def on_generate(self, msg) -> None:
@@ -183,7 +183,7 @@ class RouterService(Service):
                 ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")))
             return
         self.relays[rid] = asyncio.current_task()
-        self.owners[rid] = tenant
+        self.owners[rid] = (api, tenant)
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S))
         self.metrics.request_started(api)
         outcome = "finished"

@@ -26,9 +26,9 @@ SPOOFS = {  # user -> subjects it must not publish on
     "client": [subjects.load("decode-0"), subjects.KV_EVENTS, subjects.decode("decode-0"), subjects.prefill("p"),
                subjects.cache("put", "cache-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
                subjects.kv_pull("t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
-               f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1]],
+               f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1], subjects.WORK_CANCEL],
     "client-a": [subjects.GENERATE, subjects.CANCEL, subjects.generate_as("b"), subjects.cancel_as("b"),
-                 subjects.load("x"), "_INBOX.client.x"],
+                 subjects.load("x"), "_INBOX.client.x", subjects.WORK_CANCEL],
     "draft": [subjects.KV_EVENTS, subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL],
     "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache("put", "c")],
     "monitor": [subjects.load("x"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.KV_EVENTS],
@@ -200,7 +200,7 @@ async def test_clients_reach_the_router_and_hear_its_stream(env, no_violations):
 
 FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a request) as the services use them
     ("router", "prefill", subjects.prefill("prefill-0"), True), ("router", "decode", subjects.decode("d-0"), True),
-    ("router", "prefill", subjects.CANCEL, False), ("router", "decode", subjects.CANCEL, False),
+    ("router", "prefill", subjects.WORK_CANCEL, False), ("router", "decode", subjects.WORK_CANCEL, False),
     ("router", "prefill", subjects.ctl("prefill-0", "probe"), True),
     ("router", "decode", subjects.ctl("d-0", "kv_snapshot"), True),
     ("router", "cache-tier", subjects.ctl("cache-0", "kv_snapshot"), True),

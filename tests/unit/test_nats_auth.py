@@ -42,7 +42,8 @@ def test_only_the_owning_roles_publish_control_traffic():
     assert publishers(subjects.DRAFT_ALL) == {"decode"}
     assert publishers(subjects.KV_PULL_ALL) == {"prefill", "decode", "cache-tier"}
     assert publishers(subjects.cache_all("put")) == publishers(subjects.cache_all("get")) == {"prefill", "decode"}
-    assert publishers(subjects.CANCEL) == {"router", "client"}
+    assert publishers(subjects.CANCEL) == {"client"}            # clients ask the router ...
+    assert publishers(subjects.WORK_CANCEL) == {"router"}       # ... which alone tells workers
     assert publishers(subjects.GENERATE) == {"client"}
     assert publishers(subjects.ctl_all("probe")) == publishers(subjects.ctl_all("kv_snapshot")) == {"router"}
     assert publishers(subjects.ctl_all("stats")) == {MONITOR}
@@ -58,7 +59,8 @@ def test_only_the_owning_roles_publish_control_traffic():
 def test_subscriptions_follow_the_services():
     assert subscribers(subjects.GENERATE) == subscribers(subjects.GENERATE_TENANTS) == {"router"}
     assert subscribers(subjects.CANCEL_TENANTS) == {"router"}
-    assert subscribers(subjects.CANCEL) == {"router", "prefill", "decode"}
+    assert subscribers(subjects.CANCEL) == {"router"}
+    assert subscribers(subjects.WORK_CANCEL) == {"prefill", "decode"}
     assert subscribers(subjects.KV_EVENTS) == {"router"}
     assert subscribers(subjects.LOAD_ALL) == {"router", "prefill", "decode", MONITOR}  # workers follow their tier
     assert subscribers(subjects.PREFILL_ALL) == {"prefill"}

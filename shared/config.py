@@ -135,6 +135,9 @@ class CacheTierConfig:
     ssd_mb: int = 65536
     segment_mb: int = 64
     fsync: str = "batch"  # always | batch | never (see shared/kv/store/config.py)
+    # dirty chat/agent DRAM blocks are written behind to SSD within this: a block acknowledged more than
+    # write_behind_s ago survives a SIGKILL (fsync adds no delay; it decides power-loss safety) while the SSD keeps up
+    write_behind_s: float = 1.0
     retention: str = "chat=7d,agent=3d,none=0"  # class=ttl list; the deployment's retention classes
     transports: str = "shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
@@ -156,7 +159,7 @@ class CacheTierConfig:
             object.__setattr__(self, "directory", path)
         if (self.dram_mb < 0 or self.ssd_mb <= 0 or self.segment_mb <= 0 or self.heartbeat_s <= 0
                 or self.gc_interval_s <= 0 or self.stage_ttl_s <= 0 or self.fetch_timeout_s <= 0
-                or self.max_staged_mb <= 0 or self.drain_grace_s < 0):
+                or self.max_staged_mb <= 0 or self.drain_grace_s < 0 or not 0 < self.write_behind_s < 3600):
             raise ValueError("invalid cache tier config")
 
 

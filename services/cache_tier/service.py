@@ -2,7 +2,8 @@
 NATS on ``subjects.cache(op, tier_id)``, with its holdings published as KV events (tier ``cache_tier``).
 
 - ``put``: fetch the worker's staged KV through the named transport, store every block under its chained
-  hash with the request's retention class, reply ``Ack`` (the worker then frees its staging).
+  hash with the request's retention class, reply ``Ack`` (the worker then frees its staging). The Ack means
+  in DRAM: a chat/agent block is on SSD within ``write_behind_s`` (it survives a SIGKILL from then on).
 - ``get``: the leading run of the asked blocks that the store holds (token ids, chained digest and model
   fingerprint compared, unexpired, the requester's layout), staged through a transport the worker offered;
   reply ``CacheGetReply`` naming the fingerprint served; the staging is freed on ``release`` or after
@@ -63,7 +64,8 @@ class CacheTierService(Service):
         os.makedirs(c.directory, exist_ok=True)
         store_config = StoreConfig(directory=c.directory, dram_bytes=c.dram_mb << 20, ssd_bytes=c.ssd_mb << 20,
                                    segment_bytes=c.segment_mb << 20, max_block_bytes=(c.segment_mb << 20) // 2,
-                                   fsync=c.fsync, retention=RetentionPolicy.from_spec(c.retention))
+                                   fsync=c.fsync, write_behind_s=c.write_behind_s,
+                                   retention=RetentionPolicy.from_spec(c.retention))
         self.store = await TieredBlockStore.open(store_config)
         logger.info("%s: store open at %s: %s", c.worker_id, c.directory, self.store.stats())
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,

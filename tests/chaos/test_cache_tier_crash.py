@@ -66,6 +66,7 @@ class Ledger:
     """What the clients did: puts sent (their ids), puts acknowledged, errors while the tier was up."""
     issued: list[int] = dataclasses.field(default_factory=list)
     acked: set[int] = dataclasses.field(default_factory=set)
+    acked_at: dict[int, float] = dataclasses.field(default_factory=dict)   # put id -> monotonic time of its Ack
     errors: list[str] = dataclasses.field(default_factory=list)
     inflight: int = 0
     inflight_at_kills: list[int] = dataclasses.field(default_factory=list)
@@ -90,6 +91,7 @@ async def put(nc, sender: StreamTransport, put_id: int, ledger: Ledger) -> None:
             ledger.inflight -= 1
         protocol.decode_reply(reply.data, protocol.Ack)
         ledger.acked.add(put_id)
+        ledger.acked_at[put_id] = time.monotonic()
     finally:
         await sender.release(tid)
 

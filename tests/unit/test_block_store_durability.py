@@ -1,10 +1,15 @@
 """Block store durability: restart rebuilds the index (timed on 10,000 records), a flipped byte is a counted
-miss never served, torn tails are cut at open, a corrupt header loses only what follows it in its segment."""
+miss never served, torn tails are cut at open, a corrupt header loses only what follows it in its segment;
+write-behind puts dirty durable DRAM blocks on SSD within ``write_behind_s`` (off the loop, never class none)."""
+import asyncio
+import threading
 import time
 
 import pytest
 
-from shared.kv.store import FakeClock, TieredBlockStore
+from shared.config import CacheTierConfig
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv.store import FakeClock, StoreConfig, TieredBlockStore
 from shared.kv.store.record import PREFIX_BYTES
 from tests.unit.test_block_store import config, make_blocks, open_store
 
@@ -167,3 +172,80 @@ async def test_a_write_through_put_whose_ssd_write_fails_is_refused(tmp_path, cl
         assert store.where(make_blocks(2, seed=2)[1].block_hash) == "ssd"
     finally:
         await store.close()
+
+
+# -- write-behind: a durable block acknowledged in DRAM reaches SSD within write_behind_s ----------------------
+WRITE_BEHIND_S = 0.2
+
+
+async def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` until true; fail after ``timeout_s`` (a deadline, not a timing assertion)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_write_behind_reaches_ssd_without_lru_pressure_and_never_writes_none(tmp_path, clock, monkeypatch):
+    chat, dram_only, upgraded = make_blocks(5, seed=1), make_blocks(3, seed=2), make_blocks(1, seed=3)[0]
+    loop_thread, writers = threading.get_ident(), []
+    store = await open_store(tmp_path, clock, write_behind_s=WRITE_BEHIND_S)      # 1 MiB of DRAM: no pressure
+    original = store._ssd.put_many
+
+    def spy(items):
+        writers.append(threading.get_ident())
+        return original(items)
+    monkeypatch.setattr(store._ssd, "put_many", spy)
+    try:
+        await store.put_many(dram_only + [upgraded], "none")
+        await store.put_many(chat, "chat")
+        assert store.stats()["ssd_blocks"] == 0                # acknowledged in DRAM only, so far
+        await wait_until(lambda: all(store._ssd.contains(b.block_hash) for b in chat), "chat blocks on SSD")
+        assert await store.get(upgraded.block_hash, upgraded.token_ids, "agent") == upgraded   # now durable
+        await wait_until(lambda: store._ssd.contains(upgraded.block_hash), "upgraded block on SSD")
+        s = store.stats()
+        assert (s["dram_evictions"], s["dram_blocks"], s["ssd_blocks"]) == (0, 9, 6)
+        assert (s["write_behind_blocks"], s["writebacks"], s["dropped_dram_only"]) == (6, 6, 0)
+        assert not any(store._ssd.contains(b.block_hash) for b in dram_only)
+        assert [store.where(b.block_hash) for b in chat + dram_only] == ["dram"] * 8   # still served from DRAM
+        assert writers and loop_thread not in writers          # the SSD writes ran on the store's thread
+        written = s["ssd_blocks_written"]
+    finally:
+        await store.close()
+    assert store.stats()["ssd_blocks_written"] == written     # close had nothing dirty left to write
+    async with await open_store(tmp_path, clock) as store:
+        for b in chat + [upgraded]:
+            assert await store.get(b.block_hash, b.token_ids, "chat") == b
+        assert [store.where(b.block_hash) for b in dram_only] == [None] * 3
+
+
+async def test_write_behind_retries_after_an_ssd_failure(tmp_path, clock, monkeypatch):
+    blocks = make_blocks(3)
+    store = await open_store(tmp_path, clock, write_behind_s=WRITE_BEHIND_S)
+    original, calls = store._ssd.put_many, []
+
+    def fails_once(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return original(items)
+    monkeypatch.setattr(store._ssd, "put_many", fails_once)
+    try:
+        await store.put_many(blocks, "agent")
+        await wait_until(lambda: store.stats()["ssd_blocks"] == 3, "blocks on SSD after the retry")
+        s = store.stats()
+        assert calls == [3, 3]
+        assert (s["writeback_failures"], s["write_behind_blocks"], s["dram_blocks"]) == (3, 3, 3)
+    finally:
+        await store.close()
+
+
+def test_write_behind_config():
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(DeepinferError) as err:
+            StoreConfig(directory="/tmp/x", write_behind_s=bad)
+        assert err.value.code == ErrorCode.INVALID_REQUEST, bad
+    assert StoreConfig(directory="/tmp/x").write_behind_s is None             # the library default: off
+    assert CacheTierConfig(worker_id="t", directory="/tmp/x").write_behind_s == 1.0   # the service default
+    with pytest.raises(ValueError):
+        CacheTierConfig(worker_id="t", directory="/tmp/x", write_behind_s=0.0)

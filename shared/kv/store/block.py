@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.errors import invalid
+from shared.errors import DeepinferError, ErrorCode, invalid
 
 MAX_HASH = (1 << 64) - 1
 MAX_TOKEN_ID = (1 << 32) - 1     # block_hash packs token ids as uint32
@@ -109,3 +109,16 @@ def check_identity(digest: object, fingerprint: object) -> None:
         raise invalid(f"digest must be at most {MAX_DIGEST_BYTES} bytes, got {digest!r:.40}")
     if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT_CHARS or not fingerprint.isascii():
         raise invalid(f"fingerprint must be an ASCII str of at most {MAX_FINGERPRINT_CHARS}, got {fingerprint!r:.40}")
+
+
+def check_blocks(blocks: object, max_blocks: int, max_block_bytes: int) -> None:
+    """``blocks`` is a sequence of at most ``max_blocks`` ``StoredBlock`` of at most ``max_block_bytes`` payload
+    bytes each, or ``invalid_request`` / ``payload_too_large``."""
+    if not isinstance(blocks, Sequence) or len(blocks) > max_blocks:
+        raise invalid(f"blocks must be a list of ≤ {max_blocks}")
+    for block in blocks:
+        if not isinstance(block, StoredBlock):
+            raise invalid(f"not a StoredBlock: {type(block).__name__}")
+        if len(block.payload) > max_block_bytes:
+            raise DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"block {block.block_hash:016x} is "
+                                 f"{len(block.payload)} bytes, max {max_block_bytes}")

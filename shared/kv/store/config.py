@@ -31,6 +31,10 @@ class StoreConfig:
       so eviction runs in batches rather than on every write.
     - ``touch_persist_s``: an expiry extension is written to SSD (a small touch record) once it moves the
       on-disk expiry by at least this much; after a restart an expiry is at most this much too early.
+    - ``write_behind_s``: dirty durable DRAM blocks are written behind to SSD within this many seconds
+      (``write_behind.py``): a block acknowledged more than ``write_behind_s`` ago survives a SIGKILL (every
+      fsync policy; a power loss too unless ``never``), as long as the SSD keeps up (a batch write within
+      ``write_behind_s / 4``). None = off: DRAM blocks reach SSD only under LRU pressure, ``flush`` or close.
     """
 
     directory: str
@@ -42,6 +46,7 @@ class StoreConfig:
     compact_dead_ratio: float = 0.5
     evict_low_watermark: float = 0.9
     touch_persist_s: float = 3600.0
+    write_behind_s: float | None = None
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
     def __post_init__(self) -> None:
@@ -65,6 +70,10 @@ class StoreConfig:
         if not isinstance(self.touch_persist_s, (int, float)) or not math.isfinite(self.touch_persist_s) \
                 or self.touch_persist_s < 0:
             raise invalid(f"touch_persist_s must be finite seconds ≥ 0, got {self.touch_persist_s!r}")
+        wb = self.write_behind_s
+        if wb is not None and (isinstance(wb, bool) or not isinstance(wb, (int, float)) or not math.isfinite(wb)
+                               or wb <= 0):
+            raise invalid(f"write_behind_s must be finite seconds > 0 or None, got {self.write_behind_s!r}")
         if not isinstance(self.retention, RetentionPolicy):
             raise invalid("retention must be a RetentionPolicy")
 

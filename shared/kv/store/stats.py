@@ -28,6 +28,7 @@ class StoreStats:
     writebacks: int = 0               # DRAM -> SSD blocks acknowledged (eviction or flush)
     writeback_failures: int = 0       # blocks lost to an SSD write error (logged)
     dropped_dram_only: int = 0        # class-none blocks evicted from DRAM (never written to SSD)
+    write_behind_blocks: int = 0      # dirty DRAM blocks written to SSD by write-behind (also in writebacks)
     # ssd
     ssd_evictions: int = 0            # capacity evictions in (expiry, last_use) order
     ssd_expiries: int = 0
@@ -53,3 +54,12 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    """What one ``TieredBlockStore.gc`` removed."""
+
+    dram_expired: int
+    ssd_expired: int
+    segments_compacted: int

@@ -14,10 +14,13 @@ Invariants:
   state is sent). An SSD hit is promoted into DRAM as a clean entry.
 - Any hit or re-put extends the block's expiry (``RetentionPolicy.extend``); the SSD learns about DRAM-side
   extensions in batches (at most ``MAX_PENDING_TOUCHES`` waiting).
-- Durability: ``put``/``put_many`` return once the blocks are in DRAM (or, if DRAM pushed them out, on SSD);
-  when a block of the call itself (durable class) ends up in neither because its SSD write failed, the call
-  raises ``unavailable``; a write-back failure of *other* blocks it pushed out is logged and counted. ``flush`` writes every dirty DRAM block and
-  returns only when all of it is durable, else raises ``unavailable``; ``close`` flushes first.
+- Durability: ``put``/``put_many`` return once the blocks are in DRAM (or, if DRAM pushed them out, on SSD).
+  With ``write_behind_s`` set, dirty durable blocks are written behind on the SSD thread (``WriteBehind``): a
+  block acknowledged more than ``write_behind_s`` ago survives a SIGKILL while the SSD keeps up (a batch write
+  within ``write_behind_s / 4``; ``fsync`` adds no delay, it decides power-loss safety); class ``none`` never
+  reaches SSD. A durable block of the call itself that ends up in no tier (its SSD write failed) makes the call
+  raise ``unavailable``; a write-back failure of *other* blocks it pushed out is logged and counted. ``flush``
+  writes every dirty DRAM block and returns once durable, else raises ``unavailable``; ``close`` flushes first.
 - Bounds: DRAM by ``dram_bytes``; SSD by ``ssd_bytes``; a call takes at most ``MAX_BATCH_BLOCKS`` blocks;
   at most ``MAX_PENDING_TOUCHES`` extensions wait on the loop side. Blocks in flight to SSD are those pushed
   out by calls still awaiting their write-back (each call waits for its own), so they are bounded by the
@@ -30,29 +33,22 @@ import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.store.block import StoredBlock, check_hash, check_identity, check_token_ids
+from shared.kv.store.block import StoredBlock, check_blocks, check_hash, check_identity, check_token_ids
 from shared.kv.store.clock import Clock, SystemClock
 from shared.kv.store.config import StoreConfig
 from shared.kv.store.dram import DramEntry, DramTier
 from shared.kv.store.retention import BlockMeta
 from shared.kv.store.ssd import SsdTier
-from shared.kv.store.stats import StoreStats
+from shared.kv.store.stats import GcReport, StoreStats
+from shared.kv.store.write_behind import WriteBehind, dirty_entries
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_TOUCHES = 1024
 MAX_BATCH_BLOCKS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class GcReport:
-    dram_expired: int
-    ssd_expired: int
-    segments_compacted: int
 
 
 class TieredBlockStore:
@@ -69,6 +65,7 @@ class TieredBlockStore:
         self._inflight: dict[int, DramEntry] = {}
         self._touches: dict[int, BlockMeta] = {}   # DRAM-side extensions of blocks the SSD holds
         self._closed = False
+        self._write_behind = WriteBehind(config.write_behind_s, self._write_dirty)   # off if None
 
     @classmethod
     async def open(cls, config: StoreConfig, clock: Clock | None = None) -> TieredBlockStore:
@@ -104,10 +101,11 @@ class TieredBlockStore:
         """Store blocks for a request of class ``retention`` (all validated first: all or nothing).
         Raises ``invalid_request`` (bad types, unknown class) or ``payload_too_large``."""
         self._check_open()
-        self._check_blocks(blocks)
+        check_blocks(blocks, MAX_BATCH_BLOCKS, self.config.max_block_bytes)
         self.config.retention.ttl(retention)
         now = self._clock.now()
         pushed: list[DramEntry] = []
+        dirty = False
         for block in blocks:
             meta = self.config.retention.new_meta(retention, now)
             old = self._dram.peek(block.block_hash)
@@ -115,6 +113,9 @@ class TieredBlockStore:
             if same:
                 meta.merge(old.meta)
             pushed += self._dram.put(DramEntry(block, meta, on_ssd=same and old.on_ssd))
+            dirty |= meta.is_durable and not (same and old.on_ssd)
+        if dirty:
+            self._write_behind.notify()
         self._stats.dram_evictions += len(pushed)
         await self._write_back(pushed, now)
         if self.config.retention.ttl(retention) > 0:
@@ -122,16 +123,6 @@ class TieredBlockStore:
             if lost:   # pushed straight out of DRAM (write-through, or too big) and the SSD write failed
                 raise DeepinferError(ErrorCode.UNAVAILABLE, f"{len(lost)} of {len(blocks)} blocks could not be "
                                      "written to SSD")
-
-    def _check_blocks(self, blocks: object) -> None:
-        if not isinstance(blocks, Sequence) or len(blocks) > MAX_BATCH_BLOCKS:
-            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"blocks must be a list of ≤ {MAX_BATCH_BLOCKS}")
-        for block in blocks:
-            if not isinstance(block, StoredBlock):
-                raise DeepinferError(ErrorCode.INVALID_REQUEST, f"not a StoredBlock: {type(block).__name__}")
-            if len(block.payload) > self.config.max_block_bytes:
-                raise DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"block {block.block_hash:016x} is "
-                                     f"{len(block.payload)} bytes, max {self.config.max_block_bytes}")
 
     async def _write_back(self, entries: list[DramEntry], now: float, flushing: bool = False) -> list[int]:
         """Decide the fate of entries leaving DRAM (or flushed) and write the dirty ones in one SSD batch,
@@ -196,6 +187,8 @@ class TieredBlockStore:
             entry = None
         if entry is not None:
             entry.meta.merge(fresh)
+            if entry.meta.is_durable and not entry.on_ssd:
+                self._write_behind.notify()     # a DRAM-only block upgraded by a durable-class hit
             self._stats.dram_hits += 1
             if entry.on_ssd or block_hash in self._inflight:
                 self._touches[block_hash] = entry.meta.copy()
@@ -259,14 +252,28 @@ class TieredBlockStore:
         for e in self._dram.entries():
             if e.on_ssd and e.meta.is_durable:
                 self._touches[e.block.block_hash] = e.meta.copy()
-        acked = set(await self._write_back(entries, now, flushing=True))
-        for entry in entries:
-            if entry.block.block_hash in acked and self._dram.peek(entry.block.block_hash) is entry:
-                entry.on_ssd = True
+        await self._write_durable(entries, now)
         try:
             await self._on_ssd(self._ssd.flush)
         except OSError as exc:
             raise DeepinferError(ErrorCode.UNAVAILABLE, f"block store SSD flush failed: {exc}") from exc
+
+    async def _write_durable(self, entries: list[DramEntry], now: float) -> int:
+        """Write DRAM entries (and pending extensions) in one SSD batch, mark the acked ones still in DRAM
+        clean; the number acked. Raises ``unavailable`` on failure (the entries stay dirty)."""
+        acked = set(await self._write_back(entries, now, flushing=True))
+        for entry in entries:
+            if entry.block.block_hash in acked and self._dram.peek(entry.block.block_hash) is entry:
+                entry.on_ssd = True
+        return len(acked)
+
+    async def _write_dirty(self) -> int:
+        """One write-behind pass: every dirty durable DRAM block to SSD (``WriteBehind`` calls it)."""
+        now = self._clock.now()
+        entries = [] if self._closed else dirty_entries(self._dram, now)
+        written = await self._write_durable(entries, now) if entries else 0
+        self._stats.write_behind_blocks += written
+        return written
 
     async def close(self) -> None:
         """Flush, then close the SSD tier and its thread. Idempotent; a failed flush is logged, and the
@@ -275,6 +282,7 @@ class TieredBlockStore:
             return
         self._closed = True
         try:
+            await self._write_behind.stop()
             await self._flush()
         except (DeepinferError, OSError) as exc:
             logger.error("block store: flush at close failed: %s", exc)

@@ -177,9 +177,10 @@ async def test_a_cancel_reaches_only_requests_of_its_namespace():
     from shared import subjects
 
     router = RouterService(RouterConfig())
-    tasks = {rid: asyncio.create_task(asyncio.sleep(30)) for rid in ("plain", "acme-req", "beta-req")}
+    tasks = {rid: asyncio.create_task(asyncio.sleep(30)) for rid in ("plain", "acme-req", "beta-req", "cmpl-http")}
     router.relays.update(tasks)
-    router.owners.update({"plain": None, "acme-req": "acme", "beta-req": "beta"})
+    router.owners.update({"plain": ("nats", None), "acme-req": ("nats", "acme"), "beta-req": ("nats", "beta"),
+                          "cmpl-http": ("http", None)})
 
     async def cancel(subject: str, rid: str) -> None:
         await router.on_cancel(SimpleNamespace(subject=subject, data=protocol.encode(
@@ -189,8 +190,11 @@ async def test_a_cancel_reaches_only_requests_of_its_namespace():
     await cancel(subjects.cancel_as("beta"), "acme-req")  # another tenant's request: untouched
     await cancel(subjects.CANCEL, "beta-req")  # the plain API cannot reach a tenant's request
     await cancel(subjects.cancel_as("acme"), "plain")
+    await cancel(subjects.CANCEL, "cmpl-http")  # an HTTP request (no API keys) is not NATS clients' to cancel
     assert not any(t.cancelled() for t in tasks.values())
     await cancel(subjects.cancel_as("acme"), "acme-req")
     await cancel(subjects.CANCEL, "plain")
     assert tasks["acme-req"].cancelled() and tasks["plain"].cancelled() and not tasks["beta-req"].cancelled()
+    assert not tasks["cmpl-http"].cancelled()
     tasks["beta-req"].cancel()
+    tasks["cmpl-http"].cancel()

@@ -85,8 +85,8 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
     refused: asyncio.Future = asyncio.get_running_loop().create_future()
     nc = nats.NATS()
     connecting = asyncio.ensure_future(nc.connect(
-        servers, name=name, dont_randomize=True, connect_timeout=5, reconnect_time_wait=0.25, max_reconnect_attempts=-1,
-        allow_reconnect=True, ping_interval=5, max_outstanding_pings=2, disconnected_cb=on_disconnect,
+        servers, name=name, dont_randomize=True, connect_timeout=5, reconnect_time_wait=0.25,
+        max_reconnect_attempts=-1, allow_reconnect=True, ping_interval=5, max_outstanding_pings=2, disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect, error_cb=on_error, closed_cb=on_close, **auth))
     try:
         await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)

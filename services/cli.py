@@ -6,7 +6,8 @@ request), ``up`` (embedded cluster: nats-server, router, cache tier, prefill and
 <service>``, ``status`` (a running cluster's services, hit rates and accounting), ``simulate``, ``bench``.
 
 NATS credentials: ``up`` starts its server with authentication (``--no-auth`` to disable; with a ``--nats`` server,
-``--passwords-file`` names its users' passwords, or ``--no-auth`` says there are none) and prints the client's URL with its credentials; ``generate --url`` and ``status`` take
+``--passwords-file`` names its users' passwords, or ``--no-auth`` says there are none) and prints the client's
+URL with its credentials; ``generate --url`` and ``status`` take
 ``--user``/``--password`` (default: ``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``) or credentials in the
 URL (``nats://user:pass@host:port``).
 """

@@ -96,8 +96,9 @@ async def put(nc, sender: StreamTransport, put_id: int, ledger: Ledger) -> None:
         await sender.release(tid)
 
 
-async def writer(nc, sender: StreamTransport, ledger: Ledger) -> None:
-    """Put one put after another until ``ledger.stopped`` (set at the kill); errors before it are recorded."""
+async def writer(nc, sender: StreamTransport, ledger: Ledger, pace_s: float = 0.0) -> None:
+    """Put one put after another (``pace_s`` apart) until ``ledger.stopped`` (set at the kill); errors before it
+    are recorded."""
     while not ledger.stopped:
         put_id = next(ledger.ids)
         try:
@@ -106,6 +107,8 @@ async def writer(nc, sender: StreamTransport, ledger: Ledger) -> None:
             if not ledger.stopped:
                 ledger.errors.append(f"put {put_id}: {err!r}")
             await asyncio.sleep(0.05)
+        if pace_s:
+            await asyncio.sleep(pace_s)
 
 
 async def write_then_kill(nc, tier: TierProcess, ledger: Ledger, rng: random.Random, round_no: int) -> None:

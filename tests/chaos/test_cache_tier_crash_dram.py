@@ -17,12 +17,10 @@ import random
 import time
 
 import pytest
-from nats import errors as nats_errors
 
-from shared.errors import DeepinferError
 from shared.kv.transport_stream import StreamTransport
-from tests.chaos.test_cache_tier_crash import SEGMENT_MB, SSD_MB, TIER, WAIT_S, Ledger, check_served, put, \
-    put_layout
+from tests.chaos.test_cache_tier_crash import SEGMENT_MB, SSD_MB, TIER, WAIT_S, Ledger, check_served, \
+    put_layout, writer
 from tests.chaos.tier_process import TierProcess, store_stats
 from tests.integration.conftest import connect, start_nats_server
 
@@ -35,18 +33,6 @@ PACE_S = 0.2                        # pause between one writer's puts: ≤ ~25 M
 ROUNDS = 2
 FLAGS = ["--dram-mb", "64", "--write-behind-s", str(BOUND_S), "--ssd-mb", str(SSD_MB), "--segment-mb",
          str(SEGMENT_MB), "--fsync", "batch", "--transports", "stream", "--heartbeat-s", "0.5"]
-
-
-async def paced_writer(nc, sender: StreamTransport, ledger: Ledger) -> None:
-    """Put, pause ``PACE_S``, repeat until ``ledger.stopped``; errors while the tier is up are recorded."""
-    while not ledger.stopped:
-        put_id = next(ledger.ids)
-        try:
-            await put(nc, sender, put_id, ledger)
-        except (DeepinferError, nats_errors.Error, asyncio.TimeoutError) as err:
-            if not ledger.stopped:
-                ledger.errors.append(f"put {put_id}: {err!r}")
-        await asyncio.sleep(PACE_S)
 
 
 @pytest.fixture
@@ -63,7 +49,7 @@ async def write_then_kill(nc, tier: TierProcess, ledger: Ledger, rng: random.Ran
     """Put for a random time, then SIGKILL the tier with a put in flight: (kill time, store counters just before)."""
     sender = StreamTransport(nc, f"client-dram-{round_no}")
     ledger.stopped = False
-    tasks = [asyncio.create_task(paced_writer(nc, sender, ledger)) for _ in range(WRITERS)]
+    tasks = [asyncio.create_task(writer(nc, sender, ledger, PACE_S)) for _ in range(WRITERS)]
     try:
         await asyncio.sleep(rng.uniform(*ROUND_S))
         before = await store_stats(nc, TIER)

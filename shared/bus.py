@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import signal
 import time
 import urllib.parse
@@ -40,14 +41,15 @@ MAX_INFLIGHT_HANDLERS = 4096  # work handlers running at once per service; more 
 
 
 async def connect(url: str, name: str, on_closed: Callable[[], None] | None = None, *, user: str = "",
-                  password: str = "") -> nats.NATS:
+                  password: str = "", on_reconnected: Callable[[], None] | None = None) -> nats.NATS:
     """Connect, retrying forever on later disconnects (services outlive NATS restarts). ``url`` may name several
     servers, comma-separated (nodes of one NATS cluster), in order of preference (the host's own node first): the
     first connect takes the first that answers, and a lost node is replaced by another of them (or one the
     cluster advertised since), subscriptions kept. nats-py closes a
     connection for good on a server ``-ERR``; ``on_closed`` hears every close (``ServiceRuntime`` turns one it
     did not ask for into a stop with a failing exit code, so a supervisor restarts the service instead of it
-    living on deaf).
+    living on deaf). ``on_reconnected`` hears every reconnect (the router: heartbeats missed while it was away
+    are its own silence, not the workers').
 
     Credentials: ``user``/``password`` (a service's ``nats_user``/``nats_password``), else those of a
     ``nats://user:pass@host:port`` URL, else none. With a user, every inbox of the connection lives under
@@ -60,6 +62,8 @@ async def connect(url: str, name: str, on_closed: Callable[[], None] | None = No
 
     async def on_reconnect():
         logger.info("%s: reconnected to NATS", name)
+        if on_reconnected is not None:
+            on_reconnected()
 
     async def on_error(err):
         text = str(err).lower()
@@ -122,6 +126,7 @@ class ServiceRuntime:
                  registry_ttl_s: float = 5.0, max_inflight: int = MAX_INFLIGHT_HANDLERS,
                  registry_replicas: int = 1) -> None:
         self.nc, self.info, self.max_inflight = nc, info, max_inflight
+        self.instance = secrets.token_hex(8)  # this process in its heartbeats (a restart under the same id differs)
         self.registry_replicas = registry_replicas  # when this service creates the bucket (R3 in a 3-node cluster)
         self.heartbeat_s, self.registry_ttl_s = heartbeat_s, registry_ttl_s
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT; the service then shuts down
@@ -208,7 +213,8 @@ class ServiceRuntime:
             report = protocol.LoadReport(worker_id=self.info.worker_id, role=self.info.role,
                                          model_id=self.info.model_id, transports=list(self.info.transports),
                                          block_size=self.info.block_size, host=self.info.host,
-                                         timestamp=time.time(), draining=self.draining, **self._load_fn())
+                                         timestamp=time.time(), draining=self.draining, instance=self.instance,
+                                         **self._load_fn())
             await self.nc.publish(subjects.load(self.info.worker_id), protocol.encode(report))
             if register:
                 await self._register()

@@ -9,7 +9,9 @@ policy's (``shared/sched/`` via ``services/router/placement.py``).
 A worker that was dead and heartbeats again (a host whose link came back, a worker whose NATS connection
 resumed) takes new work only after ``rejoin_after_s`` of unbroken heartbeats: a connection that resumes after a
 cut first delivers heartbeats it buffered, then is often dropped as stale and replaced, and work sent to it in
-that window is lost (a hand-off then waits out its timeout). A worker seen for the first time takes work at once.
+that window is lost (a hand-off then waits out its timeout). A worker seen for the first time takes work at once,
+and so does one that beats within ``dead_after_s`` of a reconnect of the router's own connection
+(``router_reconnected``): after a NATS restart the router missed every heartbeat, and the workers are not to blame.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ class WorkerTable:
         self.rejoin_after_s = dead_after_s if rejoin_after_s is None else rejoin_after_s
         self.forget_after_s = max(dead_after_s, forget_after_s if forget_after_s is not None else 10 * dead_after_s)
         self.workers: dict[str, WorkerState] = {}
+        self.reconnected_at = float("-inf")  # when the router's own NATS connection last came back
+
+    def router_reconnected(self, now: float | None = None) -> None:
+        """The router's connection came back: silences that span this moment were the router's."""
+        self.reconnected_at = time.monotonic() if now is None else now
 
     def update(self, report: protocol.LoadReport, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -44,7 +51,8 @@ class WorkerTable:
             self.workers[report.worker_id] = WorkerState(report, now, since=now)
             return
         if now - state.last_seen >= self.dead_after_s:  # back after a silence: a new run starts
-            state.since, state.rejoined = now, True
+            # the router itself saw only the silence since it was last connected
+            state.since, state.rejoined = now, now - max(state.last_seen, self.reconnected_at) >= self.dead_after_s
         state.report, state.last_seen = report, now
 
     def is_alive(self, worker_id: str, now: float | None = None) -> bool:

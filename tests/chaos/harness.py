@@ -160,11 +160,13 @@ class Outcome:
 
 
 async def stream_request(nc: nats.NATS, request: protocol.GenerateRequest, idle_timeout_s: float,
-                         linger_s: float = 0.5, lingering: list[asyncio.Task] | None = None) -> Outcome:
+                         linger_s: float = 0.5, lingering: list[asyncio.Task] | None = None,
+                         streaming: set[str] | None = None) -> Outcome:
     """Send ``request`` and record its stream until the final chunk, ``idle_timeout_s`` without a chunk, or
     the request's ``timeout_s`` + 10 s. After the final chunk the inbox stays subscribed ``linger_s`` more
     (in a task appended to ``lingering``, or awaited here) so late duplicates are counted too. A stream left
-    without a final chunk is cancelled (``di.v1.cancel``)."""
+    without a final chunk is cancelled (``di.v1.cancel``). ``streaming`` (optional) holds the request id from
+    its first chunk until the stream ends: the requests that are mid-stream right now."""
     out = Outcome(request, time.monotonic())
     queue: asyncio.Queue[tuple[bytes, dict | None]] = asyncio.Queue()
 
@@ -186,10 +188,15 @@ async def stream_request(nc: nats.NATS, request: protocol.GenerateRequest, idle_
                 out.client_timeout = "deadline" if time.monotonic() >= deadline - 0.01 else "idle"
                 break
             out.take(data, headers)
+            if streaming is not None and not out.final:
+                streaming.add(request.request_id)
     except BaseException:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
         raise
+    finally:
+        if streaming is not None:
+            streaming.discard(request.request_id)
     out.t_end = time.monotonic()
     if not out.final:
         with contextlib.suppress(Exception):

@@ -3,7 +3,7 @@
 Cluster: a test-owned nats-server + router + prefill-0/1 + decode-0/1 (real processes, tiny float64 model).
 200 streamed greedy requests (distinct prompts, 8..64 tokens, remote and local prefill) run through 16
 concurrent clients in five phases of 40; each phase's gate opens only once the previous phase's requests have
-all ended, and each fault is injected while that phase's requests are in flight:
+all ended, and each fault is injected as soon as half the clients' streams of that phase are mid-stream:
 
 1. baseline;
 2. SIGKILL decode-0, start decode-2 (a new name);
@@ -39,6 +39,7 @@ from tests.model_factory import write_tiny_hf_folder
 
 N_REQUESTS = 200
 CONCURRENCY = 16
+MIN_STREAMING = CONCURRENCY // 2  # a fault fires once this many of its phase's requests are mid-stream
 PHASES = ["baseline", "kill decode-0", "kill prefill-0", "kill router", "restart nats-server"]
 PER_PHASE = N_REQUESTS // len(PHASES)
 ERROR_WINDOWS = ("kill router", "restart nats-server")  # the only faults a client may notice
@@ -80,6 +81,7 @@ async def test_kill_and_restart_every_component_under_load(tmp_path):
     in_flight_at_fault: dict[str, int] = {}
     gates = [asyncio.Event() for _ in PHASES]
     in_flight: set[int] = set()
+    streaming: set[str] = set()  # request ids between their first and their final chunk
     started: set[int] = set()
     nc = None
     t0 = time.monotonic()
@@ -96,7 +98,8 @@ async def test_kill_and_restart_every_component_under_load(tmp_path):
             started.add(i)
             try:
                 for attempt in range(2):
-                    out = await stream_request(nc, make_request(i, attempt), IDLE_TIMEOUT_S, lingering=lingering)
+                    out = await stream_request(nc, make_request(i, attempt), IDLE_TIMEOUT_S, lingering=lingering,
+                                               streaming=streaming)
                     attempts[i].append(out)
                     if out.completed:
                         return
@@ -106,13 +109,13 @@ async def test_kill_and_restart_every_component_under_load(tmp_path):
                 in_flight.discard(i)
 
         async def when_loaded(phase: int) -> None:
-            """Open the phase's gate; return once its requests are streaming."""
+            """Open the phase's gate; return as soon as MIN_STREAMING of its requests are mid-stream (a phase
+            of these short requests can end within a second: a fixed wait could let the fault hit nothing)."""
             gates[phase].set()
             deadline = time.monotonic() + 10
-            while len(in_flight) < CONCURRENCY // 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # first tokens are out, streams sit on the workers
-            in_flight_at_fault[PHASES[phase]] = len(in_flight)
+            while len(streaming) < MIN_STREAMING and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            in_flight_at_fault[PHASES[phase]] = len(streaming)
 
         async def wait_phase_done(phase: int) -> None:
             """Until every request of ``phase`` has ended (retry included): phases do not overlap."""
@@ -203,7 +206,7 @@ async def test_kill_and_restart_every_component_under_load(tmp_path):
           f"completed after a failover={failed_over} garbled={len(garbled)} "
           f"errors outside the router/NATS windows={len(outside)}\n"
           f"  errors by kind (s after start) {error_times}; erroring attempts overlapping each window {per_window}\n"
-          f"  in flight at each fault {in_flight_at_fault}; windows (s after start) "
+          f"  mid-stream at each fault {in_flight_at_fault}; windows (s after start) "
           + ", ".join(f"{w.name} {w.t0 - t_up:.1f}..{w.t1 - t_up:.1f} ({wall_clock(w.t0)}..{wall_clock(w.t1)})"
                       for w in windows.values())
           + f"\n  wall: cluster up {t_up - t0:.1f} s, load {t_load - t_up:.1f} s")

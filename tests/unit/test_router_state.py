@@ -44,6 +44,19 @@ def test_a_worker_back_from_the_dead_takes_work_only_after_unbroken_heartbeats()
     assert table.alive("decode", now=20.0) == []
 
 
+def test_a_silence_spanning_the_routers_own_reconnect_is_not_the_workers():
+    """After a NATS restart the router missed every heartbeat: its workers take work as soon as they beat again
+    (found by the chaos test: "no decode worker is alive" for 3 s after each NATS restart)."""
+    table = WorkerTable(dead_after_s=3.0)
+    table.update(report("d0"), now=0.0)
+    table.update(report("d1"), now=0.0)
+    table.router_reconnected(now=4.0)            # the router was away 0.5..4.0
+    table.update(report("d0"), now=4.2)
+    assert [s.report.worker_id for s in table.alive("decode", now=4.2)] == ["d0"]
+    table.update(report("d1"), now=10.0)         # d1 stayed silent long after the router was back: its own silence
+    assert [s.report.worker_id for s in table.alive("decode", now=10.0)] == []
+
+
 def test_prune_forgets_workers_dead_past_forget_after():
     table = WorkerTable(dead_after_s=1.0, forget_after_s=5.0)
     for i in range(100):  # restarts under fresh random ids

@@ -51,11 +51,12 @@ class WorkerConfig:
     spec_head: str = ""  # confidence head JSON ("" = the shipped head of the drafter if any, else fixed k)
     spec_log: str = ""  # append an acceptance log (JSON lines) here, for ``deepinfer spec train-head``
     draft_timeout_s: float = 0.1  # draft=remote: a step waits at most this for proposals, then decodes plainly
+    router_dead_after_s: float = 5.0  # work of a router silent this long is stopped (shared/router_watch.py)
 
     def __post_init__(self) -> None:
         _check_cluster_fields(self)
-        if self.tier_timeout_s <= 0 or self.tier_write_queue < 0:
-            raise ValueError("tier_timeout_s must be positive and tier_write_queue >= 0")
+        if self.tier_timeout_s <= 0 or self.tier_write_queue < 0 or self.router_dead_after_s <= 0:
+            raise ValueError("tier_timeout_s and router_dead_after_s must be positive and tier_write_queue >= 0")
         if self.draft not in ("", "local", "remote") or not 1 <= self.spec_k <= 16 or self.spec_max_batch < 1 \
                 or self.draft_timeout_s <= 0:
             raise ValueError("draft must be '', local or remote; spec_k in 1..16; spec_max_batch >= 1; "

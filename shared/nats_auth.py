@@ -109,7 +109,7 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
     if user in ("prefill", "decode"):
         worker_sub = (S.WORK_CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
                       S.KV_PULL_ALL,  # serve staged transfers (hand-offs, tier write-backs)
-                      S.LOAD_ALL)     # the cache tier's heartbeats (TierClient)
+                      S.LOAD_ALL)     # heartbeats of the cache tier (TierClient) and routers (RouterWatch)
         worker_pub = (S.KV_EVENTS, S.KV_PULL_ALL, *_CACHE_CLIENT,
                       S.inbox_all("router"))  # TokenChunks to PrefillRequest/DecodeLocalRequest.reply_to
         if user == "prefill":

@@ -56,10 +56,14 @@ class LoadReport(WireModel):
     draining: bool = False          # shutting down: finishes what it holds, takes nothing new
     tier_block_s: float = 0.0       # measured seconds per block pulled from the cache tier (0 = none yet)
     model_fingerprint: str = ""
+    instance: str = ""              # random per process start: a restart under the same worker id is another one
+    max_model_len: int = 0          # the engine's context window in tokens (0 = no model / not reported)
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_one_of("role", self.role, ROLES)
+        _check_id("instance", self.instance, allow_empty=True)
+        _check_range("max_model_len", self.max_model_len, 0)
         _check_fingerprint("model_fingerprint", self.model_fingerprint)
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
                      "queued_prefill_tokens", "kv_event_seq"):

@@ -56,6 +56,9 @@ class _SamplingChecks:
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         _check_subject("reply_to", self.reply_to)
         _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        if self.router_id:
+            _check_worker("router_id", self.router_id)
+        _check_id("router_instance", self.router_instance, allow_empty=not self.router_id)
 
 
 @wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
@@ -72,6 +75,8 @@ class PrefillRequest(WireModel, _SamplingChecks):
     deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
     retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
     model_fingerprint: str = ""     # the build the router placed it for (shared/model/fingerprint.py)
+    router_id: str = ""             # the router relaying the stream ("" = none watched; shared/router_watch.py)
+    router_instance: str = ""       # that router process's LoadReport.instance: another one = the relay is gone
 
     def _check(self) -> None:
         self._check_common()
@@ -102,6 +107,9 @@ class KVHandoff(WireModel, _SamplingChecks):
     retention: str = "none"
     tier_cached_tokens: int = 0     # of num_cached_tokens, pulled from the cache tier
     model_fingerprint: str = ""     # the prefill worker's build ("" from older senders: refused)
+    deadline_s: float = 3600.0      # seconds left of the request's deadline (the PrefillRequest's, less prefill)
+    router_id: str = ""             # as in PrefillRequest, forwarded
+    router_instance: str = ""
 
     def _check(self) -> None:
         self._check_common()
@@ -114,6 +122,7 @@ class KVHandoff(WireModel, _SamplingChecks):
         _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
         _check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
         _check_range("ttft_ms", self.ttft_ms, 0.0)
+        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
         if self.prefill_worker:
             _check_worker("prefill_worker", self.prefill_worker)
 
@@ -127,9 +136,11 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     sampling: Sampling
     reply_to: str
     cache_salt: str = ""
-    deadline_s: float = 60.0
+    deadline_s: float = 60.0        # seconds remaining (may be <= 0: the worker ends it with ``timeout``)
     retention: str = "none"
     model_fingerprint: str = ""
+    router_id: str = ""             # as in PrefillRequest
+    router_instance: str = ""
 
     def _check(self) -> None:
         self._check_common()

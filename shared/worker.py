@@ -31,6 +31,7 @@ from shared.kv.tier_client import Pulled, TierClient
 from shared.metrics.common import OUTCOME_CANCELLED
 from shared.metrics.server import MetricsServer
 from shared.metrics.worker import WorkerMetrics
+from shared.router_watch import RouterWatch
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Worker(Service):
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
         self._handing_back = False
+        self.router_watch: RouterWatch | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -65,7 +67,7 @@ class Worker(Service):
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None)
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
-                                password=c.nats_password)
+                                password=c.nats_password, on_reconnected=self._on_reconnected)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
         loop = asyncio.get_running_loop()
 
@@ -95,6 +97,8 @@ class Worker(Service):
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
+        self.router_watch = RouterWatch(self.nc, c.router_dead_after_s, self.runtime.spawn)
+        self.runtime.spawn(self._stop_orphans())
         await self.serve_handlers()
         await self.runtime.serve(subjects.WORK_CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.ctl(c.worker_id, "kv_snapshot"), self.kv_events.on_snapshot, work=False)
@@ -196,15 +200,32 @@ class Worker(Service):
         except DeepinferError as err:   # not held (aborted, failed): nothing to write
             logger.debug("[%s] no write-back: %s", request_id, err)
 
-    def track(self, request_id: str, reply_to: str) -> None:
+    async def track(self, request_id: str, reply_to: str, router_id: str = "", router_instance: str = "") -> None:
+        """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched)."""
         self.active[request_id] = (asyncio.current_task(), reply_to)
         self.metrics.request_started(request_id)
+        await self.router_watch.hold(request_id, router_id, router_instance)
 
     def untrack(self, request_id: str, outcome: str) -> None:
         """The request left this worker; ``outcome`` (``finished``, ``handed_off``, ``cancelled`` or an error
         code) is counted once in ``deepinfer_worker_requests_total``."""
         self.active.pop(request_id, None)
+        self.router_watch.release(request_id)
         self.metrics.request_ended(request_id, outcome)
+
+    def _on_reconnected(self) -> None:
+        if self.router_watch is not None:
+            self.router_watch.reconnected()
+
+    async def _stop_orphans(self) -> None:
+        """Cancel requests whose router died (``shared/router_watch.py``): no one reads their stream any more."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            for request_id in self.router_watch.sweep():
+                entry = self.active.get(request_id)
+                if entry is not None and not entry[0].done() and not entry[0].cancelling():
+                    logger.warning("[%s] its router is gone: cancelled", request_id)
+                    entry[0].cancel()
 
     def cancelled_outcome(self) -> str:
         """The outcome of a request whose task was cancelled: handed back while draining, else cancelled."""

@@ -4,8 +4,9 @@ streams tokens to the request's reply subject.
 Invariants: a hand-off of KV computed by another model build (its ``model_fingerprint`` is not this engine's)
 is refused with ``model_mismatch`` before anything is fetched; a hand-off is acknowledged only after its KV is in
 this worker's cache (or queued for local recompute), so the prefill side may free its copy; every admitted
-request ends with exactly one final chunk (finish reason + usage, or an error); cancel aborts the request in the
-engine and frees its blocks.
+request ends with exactly one final chunk (finish reason + usage, or an error: ``timeout`` once the request's
+``deadline_s`` has passed); cancel aborts the request in the engine and frees its blocks, and so does the death of
+the router relaying its stream (``shared/router_watch.py``).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class DecodeService(Worker):
         else:
             eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
-        self.track(rid, req.reply_to)
+        deadline = asyncio.get_running_loop().time() + req.deadline_s  # the request's, as the router set it
+        await self.track(rid, req.reply_to, req.router_id, req.router_instance)
         acked = False
 
         async def ack() -> None:
@@ -77,20 +79,25 @@ class DecodeService(Worker):
                     req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold), imported)
                 seq, extra = 0, {}
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
-            async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
-                                              ack if handoff else None):
-                if out.finished:
-                    outcome = OUTCOME_FINISHED if out.finish_reason in FINISH_REASONS else ErrorCode.INTERNAL.value
-                    if not handoff:
-                        extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
-                                                          out.num_cached_tokens)
-                        self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
-                                                 extra["tier_cached_tokens"])
-                    await self.publish_output(req.reply_to, seq, out, extra)
-                    await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
-                else:
-                    await self.publish_output(req.reply_to, seq, out)
-                seq += 1
+            try:
+                async with asyncio.timeout_at(deadline):
+                    async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
+                                                      ack if handoff else None):
+                        if out.finished:
+                            outcome = (OUTCOME_FINISHED if out.finish_reason in FINISH_REASONS
+                                       else ErrorCode.INTERNAL.value)
+                            if not handoff:
+                                extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
+                                                                  out.num_cached_tokens)
+                                self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
+                                                         extra["tier_cached_tokens"])
+                            await self.publish_output(req.reply_to, seq, out, extra)
+                            await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
+                        else:
+                            await self.publish_output(req.reply_to, seq, out)
+                        seq += 1
+            except TimeoutError:
+                raise DeepinferError(ErrorCode.TIMEOUT, f"the request's deadline passed after {seq} chunks") from None
         except DeepinferError as err:
             outcome = err.code.value
             if not acked:

@@ -38,11 +38,12 @@ class PrefillService(Worker):
         self.engine.validate(req.prompt_token_ids, params)
         await msg.respond(protocol.encode(protocol.Ack()))
         rid = req.request_id
-        self.track(rid, req.reply_to)
+        deadline = time.monotonic() + req.deadline_s  # the rest of it travels in the hand-off
+        await self.track(rid, req.reply_to, req.router_id, req.router_instance)
         computed_from = [0]  # first block this prefill computed (the cached ones are not written back)
         outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
         try:
-            outcome = await asyncio.wait_for(self._prefill(req, params, computed_from),
+            outcome = await asyncio.wait_for(self._prefill(req, params, computed_from, deadline),
                                              timeout=max(req.deadline_s, 0.1))
         except asyncio.TimeoutError:
             outcome = ErrorCode.TIMEOUT.value
@@ -58,9 +59,10 @@ class PrefillService(Worker):
             await self.tier_write_back(rid, computed_from[0], req.cache_salt, req.retention)
             await self.aengine.call(lambda: self.engine.release_held(rid))
 
-    async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int]) -> str:
-        """Prefill, stream the first token, hand the KV off; the outcome (``finished`` when the first token
-        ended the request, else ``handed_off``)."""
+    async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int], deadline: float) -> str:
+        """Prefill, stream the first token, hand the KV off (with what is left of the request's ``deadline``, a
+        ``time.monotonic()`` instant); the outcome (``finished`` when the first token ended the request, else
+        ``handed_off``)."""
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -91,7 +93,8 @@ class PrefillService(Worker):
                 block_shape=list(eng.kv_cache.shape[1:]), dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
-                retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint)
+                retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,
+                deadline_s=deadline - time.monotonic(), router_id=req.router_id, router_instance=req.router_instance)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=self.config.handoff_timeout_s)

@@ -74,8 +74,9 @@ class Relay:
 
     def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
                  max_failovers: int, stall_probe_s: float = 2.0,
-                 on_failover: Callable[[], None] = lambda: None) -> None:
+                 on_failover: Callable[[], None] = lambda: None, router: tuple[str, str] = ("", "")) -> None:
         self.nc, self.placer, self.table = nc, placer, table
+        self.router_id, self.router_instance = router  # named in work messages: workers drop work of a dead relay
         self.on_failover = on_failover
         self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
         self.stall_probe_s = stall_probe_s
@@ -128,12 +129,14 @@ class Relay:
                 work = protocol.PrefillRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                decode_worker=decode_w.report.worker_id, transport=transport,
                                                reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
-                                               retention=req.retention, model_fingerprint=build)
+                                               retention=req.retention, model_fingerprint=build,
+                                               router_id=self.router_id, router_instance=self.router_instance)
             else:
                 target = decode_w
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                    reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
-                                                   retention=req.retention, model_fingerprint=build)
+                                                   retention=req.retention, model_fingerprint=build,
+                                                   router_id=self.router_id, router_instance=self.router_instance)
             await self._dispatch(target, work)
             finished = await self._relay(sub, stream, work_id, prefill_w, decode_w, account.prefill_done, attempt)
         finally:

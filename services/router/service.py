@@ -75,12 +75,12 @@ class RouterService(Service):
         logger.info("starting %s with %s", c.worker_id, c)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
-                                password=c.nats_password)
-        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
-                           on_failover=self.metrics.failover)
+                                password=c.nats_password, on_reconnected=self.table.router_reconnected)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=host_id(c.host_id),
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
+        self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
+                           on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance))
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
@@ -191,6 +191,7 @@ class RouterService(Service):
             self._check_model(req.model)
             req = dataclasses.replace(req, retention=self._retention(req), cache_salt=tenant_salt(req, tenant))
             prompt = await self._tokenize(req)
+            self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
             await self.relay.serve(req, prompt, stream)
             self._account(req, stream)
@@ -250,6 +251,14 @@ class RouterService(Service):
         if model and model not in reported and model not in (self.served_name, "default"):
             raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here "
                                  f"(serving: {self.served_name if reported else 'nothing yet'})")
+
+    def _check_context(self, prompt_len: int) -> None:
+        """At the door, before any hashing or placement: a prompt that fills the context window of every decode
+        worker's engine (``max_model_len`` in their heartbeats) can never be served (``prompt_too_long``, 400)."""
+        windows = [s.report.max_model_len for s in self.table.alive("decode") if s.report.max_model_len]
+        if windows and prompt_len >= max(windows):
+            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {prompt_len} tokens; the context window "
+                                 f"is {max(windows)}")
 
     # ---- what the HTTP API shows --------------------------------------------------------------------
     @property

@@ -168,4 +168,5 @@ class AsyncEngine:
                      for r in list(eng.scheduler.waiting) + list(eng.scheduler.running))
         return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
                 "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
-                "queued_prefill_tokens": queued, "model_fingerprint": eng.fingerprint}
+                "queued_prefill_tokens": queued, "model_fingerprint": eng.fingerprint,
+                "max_model_len": eng.max_model_len}

@@ -115,6 +115,25 @@ async def test_bad_input_gets_error_codes_and_service_stays_up(nats_server, fold
 
 
 
+async def test_a_prompt_beyond_every_context_window_is_refused_at_the_door(nats_server, folder):
+    """The router refuses a prompt that fills its decode workers' context window (``max_model_len`` from their
+    heartbeats) before hashing or placing it: no worker ever sees it (issue 21: 900k tokens used to be hashed
+    on the router's loop, then refused by a worker, again on every failover)."""
+    async with InProcessCluster(nats_server.url, folder) as cluster:
+        window = cluster.workers[-1].engine.max_model_len
+        nc = await connect(nats_server.url)
+        try:
+            for n in (window, 900_000):
+                with pytest.raises(DeepinferError) as err:
+                    await generate(nc, request([7] * n))
+                assert err.value.code == ErrorCode.PROMPT_TOO_LONG and f"window is {window}" in err.value.message
+            ids, _, _ = await generate(nc, request([7] * (window - 4), max_tokens=3))
+            assert len(ids) == 3
+        finally:
+            await nc.close()
+    assert all(w.runtime.error_counts.get("prompt_too_long", 0) == 0 for w in cluster.workers)
+
+
 async def test_client_cancel_stops_the_work_and_frees_blocks(nats_server, folder):
     async with InProcessCluster(nats_server.url, folder) as cluster:
         nc = await connect(nats_server.url)

@@ -27,9 +27,11 @@ class DraftRequest(WireModel):
     k: int
     lengths: list[int] = wire_field(max_len=MAX_DRAFT_SEQUENCES)
     tokens: list[int] = wire_field(max_len=MAX_DRAFT_TOKENS)
+    budget_s: float = 0.0  # how long the asker waits for the reply; the service drops it after that (0 = no limit)
 
     def _check(self) -> None:
         _check_range("k", self.k, 1, MAX_DRAFT_K)
+        _check_range("budget_s", self.budget_s, 0.0, 3600.0)
         _require(bool(self.lengths) and min(self.lengths) > 0, "field 'lengths': needs ≥ 1 non-empty sequence")
         _check_lengths(self.lengths, len(self.tokens), "'tokens'")
         _require(min(self.tokens) >= 0 and max(self.tokens) < 1 << 32, "field 'tokens': token ids must be uint32")

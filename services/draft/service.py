@@ -4,7 +4,8 @@ share the load) with one proposal per sequence from its drafter (``shared/spec/f
 Invariants: one drafting forward at a time (the model is not re-entrant; requests wait their turn, bounded by
 the runtime's in-flight limit, and decode workers give up after their own short timeout and decode without
 speculation); bad input gets an error reply; a request for more sequences than ``MAX_DRAFT_SEQUENCES`` or a
-``k`` above ``MAX_DRAFT_K`` never decodes. SIGTERM: leave the queue group, finish what is in hand, stop.
+``k`` above ``MAX_DRAFT_K`` never decodes; a request that waited longer than its ``budget_s`` for its turn is
+dropped unanswered (its asker decoded without it already; counted in ``stale``). SIGTERM: leave the queue group, finish what is in hand, stop.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ class DraftService(Service):
         self.config = config
         self.drafter = None
         self.nc = None
+        self.subject = ""  # where it answers: subjects.draft(<the model id>)
         self._lock = asyncio.Lock()
-        self.served = self.sequences = self.tokens = 0
+        self.served = self.sequences = self.tokens = self.stale = 0
         self.metrics = DraftMetrics(config.worker_id, config.drafter)  # counters above read at scrape time
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
@@ -64,7 +66,8 @@ class DraftService(Service):
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, max_inflight=MAX_INFLIGHT,
                                       registry_replicas=c.registry_replicas)
-        await self.runtime.serve(subjects.draft(subjects.safe_token(model_id)), self.on_draft, queue="drafters")
+        self.subject = subjects.draft(subjects.safe_token(model_id))
+        await self.runtime.serve(self.subject, self.on_draft, queue="drafters")
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": int(self._lock.locked()),
                                               "num_waiting": self.runtime.num_inflight, "kv_usage": 0.0,
@@ -79,6 +82,9 @@ class DraftService(Service):
         sequences = sequences_of(req)
         async with self._lock:
             t_forward = time.perf_counter()
+            if req.budget_s and t_forward - t0 >= req.budget_s:
+                self.stale += 1
+                return
             proposals = await asyncio.to_thread(self.drafter.propose, sequences, req.k)
             self.metrics.forward_seconds.observe(time.perf_counter() - t_forward)
         self.served += 1
@@ -91,7 +97,7 @@ class DraftService(Service):
     async def on_stats(self, msg) -> None:
         if msg.reply:
             stats = {"drafter": self.config.drafter, "requests": self.served, "sequences": self.sequences,
-                     "proposed_tokens": self.tokens, "errors": dict(self.runtime.error_counts)}
+                     "proposed_tokens": self.tokens, "stale": self.stale, "errors": dict(self.runtime.error_counts)}
             await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="draft",
                                                                   stats=stats)))
 

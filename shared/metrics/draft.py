@@ -33,7 +33,7 @@ class DraftMetrics:
 
 
 class DraftCollector(Collector):
-    """Duck-typed on the service: ``served``, ``sequences``, ``tokens``, ``runtime``."""
+    """Duck-typed on the service: ``served``, ``sequences``, ``tokens``, ``stale``, ``runtime``."""
 
     def __init__(self, service: Any, labels: dict[str, str]) -> None:
         self.service, self.labels = service, labels
@@ -42,6 +42,7 @@ class DraftCollector(Collector):
         svc, lb = self.service, self.labels
         yield counter(f"{P}_requests", "Draft requests answered with proposals", lb, svc.served)
         yield counter(f"{P}_proposals", "Proposals served (one per sequence of a request)", lb, svc.sequences)
+        yield counter(f"{P}_stale_requests", "Draft requests dropped: they waited past their budget_s", lb, svc.stale)
         yield counter(f"{P}_proposed_tokens", "Tokens drafted (proposed)", lb, svc.tokens)
         rt = getattr(svc, "runtime", None)
         if rt is not None:

@@ -182,9 +182,13 @@ def speculative_metrics(lb: dict[str, str], spec: Any):
     errors = [("drafter", c.drafter_errors)]
     drafter = spec.drafter
     if hasattr(drafter, "timeouts"):  # RemoteDrafter: the draft service was slow or failed
-        errors += [("timeout", drafter.timeouts), ("remote", drafter.failures)]
+        errors += [("timeout", drafter.timeouts), ("remote", drafter.failures),
+                   ("breaker_open", drafter.breaker.skipped)]
     yield counter_by(f"{P}_spec_draft_errors", "Steps that decoded without speculation, by cause", lb, "cause",
                      errors)
+    if hasattr(drafter, "waited_s"):
+        yield counter(f"{P}_spec_draft_wait_seconds", "Engine-thread time spent waiting for the draft service", lb,
+                      drafter.waited_s)
 
 
 __all__ = ["OUTCOME_FINISHED", "OUTCOME_HANDED_OFF", "WorkerCollector", "WorkerMetrics"]

@@ -15,6 +15,7 @@ from shared.config import DraftConfig
 from tests.integration.services_harness import (InProcessCluster, all_blocks_free, generate_once,
                                                 reference_outputs, wait_until)
 from tests.model_factory import write_tiny_hf_folder
+from tests.unit.test_metrics import scrape, value
 
 # repetitive prompts: prompt lookup finds matches, so proposals are partly accepted
 PROMPTS = [[(i % 7) * 11 + 3 for i in range(40)], [(i * 5) % 97 + 1 for i in range(29)], list(range(50, 83))]
@@ -86,6 +87,9 @@ async def test_draft_service_is_exact_and_a_dead_or_slow_one_changes_nothing(nat
             assert [tokens for tokens, _, _ in results] == expected
             assert spec.stats()["drafted"] == drafted      # nothing verified without proposals in time
             assert spec.drafter.timeouts > 0
+            samples = scrape(cluster.workers[1].metrics.registry)
+            assert value(samples, "deepinfer_worker_spec_draft_errors_total", cause="timeout") == spec.drafter.timeouts
+            assert value(samples, "deepinfer_worker_spec_draft_wait_seconds_total") == spec.drafter.waited_s > 0
             await service.shutdown()                       # and then none at all
             t0 = time.monotonic()
             results = await run_all(nats_server.url)

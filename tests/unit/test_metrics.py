@@ -182,7 +182,7 @@ async def test_cache_tier_metrics_read_store_and_ledger_per_class(tmp_path):
 
 def test_draft_metrics_read_the_service_counters():
     m = DraftMetrics("draft-0", "self:8")
-    svc = SimpleNamespace(served=3, sequences=7, tokens=21, runtime=SimpleNamespace(num_inflight=2,
+    svc = SimpleNamespace(served=3, sequences=7, tokens=21, stale=4, runtime=SimpleNamespace(num_inflight=2,
                                                                                      error_counts={}))
     m.watch(svc)
     m.request_seconds.observe(0.004)
@@ -191,6 +191,7 @@ def test_draft_metrics_read_the_service_counters():
     assert value(s, "deepinfer_draft_requests_total", **lb) == 3
     assert value(s, "deepinfer_draft_proposals_total") == 7
     assert value(s, "deepinfer_draft_proposed_tokens_total") == 21
+    assert value(s, "deepinfer_draft_stale_requests_total") == 4
     assert value(s, "deepinfer_draft_inflight_requests") == 2
     assert value(s, "deepinfer_draft_request_seconds_count") == 1
 

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import re
 import secrets
+import string
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -136,9 +137,16 @@ def user_names(tenants: Sequence[str] = (), monitor: bool = True) -> list[str]:
     return [*ROLES, *([MONITOR] if monitor else []), *(tenant_user(t) for t in tenants)]
 
 
+def new_password() -> str:
+    """A random password: a letter, then 32 URL-safe characters (192 bits). The leading letter matters:
+    nats-server parses a ``$VAR`` it substitutes as a config value, so one starting with a digit or ``-`` that
+    holds a ``-`` later (``1-W``: read as a number or date) makes the server refuse its config."""
+    return secrets.choice(string.ascii_letters) + secrets.token_urlsafe(24)
+
+
 def generate_passwords(tenants: Sequence[str] = (), monitor: bool = True) -> dict[str, str]:
-    """A fresh random password (32 URL-safe characters, 192 bits) per user of ``user_names``."""
-    return {name: secrets.token_urlsafe(24) for name in user_names(tenants, monitor)}
+    """A fresh random password (``new_password``) per user of ``user_names``."""
+    return {name: new_password() for name in user_names(tenants, monitor)}
 
 
 def users(passwords: Mapping[str, str], tenants: Sequence[str] = ()) -> list[NatsUser]:
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         passwords = generate_passwords(tenants, monitor=args.monitor)
         if args.cluster:
-            passwords[ROUTE_USER] = secrets.token_urlsafe(24)
+            passwords[ROUTE_USER] = new_password()
         for name, pw in passwords.items():
             sys.stdout.write(f"{password_env(name)}={pw}\n")
     return 0

@@ -32,7 +32,7 @@ class MultiHostCluster:
         None = the default model; ``cpus``: host name -> the CPUs its processes may use (``taskset -c``)."""
         self.hosts, self.work, self.model, self.roles, self.extra = hosts, work, model, roles, list(extra)
         self.dtype, self.cpus = dtype, cpus or {}
-        self.passwords = {**nats_auth.generate_passwords(), ROUTE_USER: nats_auth.secrets.token_urlsafe(24)}
+        self.passwords = {**nats_auth.generate_passwords(), ROUTE_USER: nats_auth.new_password()}
         self.passwords_file = work / "cluster.env"
         self.passwords_file.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in self.passwords.items()))
         self.passwords_file.chmod(0o600)

@@ -105,7 +105,7 @@ def test_passwords_are_fresh_and_config_safe():
     a, b = nats_auth.generate_passwords(TENANTS), nats_auth.generate_passwords(TENANTS)
     assert list(a) == [*ROLES, MONITOR, "client-acme", "client-b-2"]
     assert set(a.values()).isdisjoint(b.values()) and len(set(a.values())) == len(a)
-    assert all(re.fullmatch(r"[A-Za-z0-9_-]{32}", pw) for pw in a.values())
+    assert all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{32}", pw) for pw in a.values())
     assert list(nats_auth.generate_passwords(monitor=False)) == list(ROLES)
 
 
@@ -255,3 +255,18 @@ def test_cli_auth_flags(monkeypatch, tmp_path):
         assert (args.user, args.password) == ("client", "pw")
     args = build_parser().parse_args(["status", "--url", "nats://h:1", "--user", "monitor", "--password", "x"])
     assert (args.user, args.password) == ("monitor", "x")
+
+
+def test_generated_passwords_start_with_a_letter_so_nats_reads_them_as_strings(tmp_path):
+    """nats-server parses a substituted $VAR as a config value: a password starting with a digit or '-' was read
+    as a number ("1-W", "-W", "12-3W": a digit or "-" then a "-") and the server refused its config."""
+    import subprocess
+    from shared.nats_server import find_nats_server
+    passwords = [nats_auth.new_password() for _ in range(500)]
+    assert all(p[0].isascii() and p[0].isalpha() and len(p) == 33 for p in passwords)
+    conf = tmp_path / "n.conf"
+    conf.write_text("authorization { users = [ { user: a, password: $PW } ] }\n")
+    for pw in ("1-W", passwords[0]):
+        proc = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True, text=True,
+                              timeout=30, env={"PATH": "/usr/bin:/bin", "PW": pw})
+        assert (proc.returncode == 0) == (pw != "1-W"), proc.stderr

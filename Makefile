@@ -32,6 +32,7 @@ bench: venv
 	$(PY) -m benchmarks.openai_burst --engine --up "" --up "--prefill 1" --up "--cache-tier 0"
 	$(PY) -m benchmarks.multi_host
 	$(PY) -m benchmarks.slow_draft
+	$(PY) -m benchmarks.tenant_fairness
 	$(PY) -m benchmarks.placement_latency
 	$(PY) -m benchmarks.cache_tier_io
 	$(PY) -m benchmarks.tier_ttft

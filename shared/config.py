@@ -69,6 +69,21 @@ class WorkerConfig:
             raise ValueError("kv_cache_mb and heartbeat_s must be positive, threads and drain_grace_s >= 0")
 
 
+def parse_weights(spec: str) -> dict[str, float]:
+    """``"acme=2,beta=0.5"`` -> ``{"acme": 2.0, "beta": 0.5}`` (tenants not named weigh 1)."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not sep or not name.strip() or not 0 < weight < 1e6:
+            raise ValueError(f"tenant weight {item!r}: expected <tenant>=<positive number>")
+        weights[name.strip()] = weight
+    return weights
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
@@ -85,6 +100,9 @@ class RouterConfig:
     stall_probe_s: float = 2.0  # a stream silent this long: ask its workers whether they still hold it
     max_failovers: int = 2  # re-placements of a request whose worker died (prompt + delivered tokens)
     max_inflight: int = 256  # admission: more concurrent requests than this are rejected (overloaded)
+    tenant_max_inflight: int = 0  # one tenant's requests here at most (beyond: overloaded); 0 = max_inflight // 2
+    tenant_weights: str = ""  # fair shares of dispatch slots, "acme=2,beta=0.5" (others 1; the plain API is "")
+    dispatch_window: int = 0  # requests on workers at once: 0 = the decode workers' max_num_seqs, -1 = unlimited
     policy: str = "predictive"  # round_robin | least_loaded | cache_aware | kv_cost | predictive
     ttft_slo_s: float = 0.0  # > 0: reject (overloaded) requests whose predicted TTFT exceeds it
     profile: str = "smollm2-cpu"  # step-time model the policies predict with (shared/sched/profiles.py)
@@ -110,8 +128,10 @@ class RouterConfig:
             object.__setattr__(self, "worker_id", f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
                 or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
-                or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535):
+                or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
+                or self.tenant_max_inflight < 0 or self.dispatch_window < -1):
             raise ValueError("invalid router config")
+        parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.profile not in PROFILES:

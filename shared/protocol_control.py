@@ -58,12 +58,14 @@ class LoadReport(WireModel):
     model_fingerprint: str = ""
     instance: str = ""              # random per process start: a restart under the same worker id is another one
     max_model_len: int = 0          # the engine's context window in tokens (0 = no model / not reported)
+    max_num_seqs: int = 0           # sequences the engine batches at once (the router's dispatch window; 0 = n/a)
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
         _check_one_of("role", self.role, ROLES)
         _check_id("instance", self.instance, allow_empty=True)
         _check_range("max_model_len", self.max_model_len, 0)
+        _check_range("max_num_seqs", self.max_num_seqs, 0)
         _check_fingerprint("model_fingerprint", self.model_fingerprint)
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
                      "queued_prefill_tokens", "kv_event_seq"):

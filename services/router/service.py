@@ -29,7 +29,7 @@ from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.accounting import Ledger, Prices
-from shared.config import RouterConfig
+from shared.config import RouterConfig, parse_weights
 from shared.kv.store.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.wire_fields import MAX_ID_LEN
@@ -38,6 +38,7 @@ from services.router.metrics import RouterMetrics
 from services.router.placement import Placer
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
+from services.router.fair_gate import FairGate, TenantLimit
 from services.router.workers import WorkerTable
 from shared.sched.kv_index import KVIndex
 from shared.sched.profiles import get_profile
@@ -68,6 +69,8 @@ class RouterService(Service):
         self._draining = False
         self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
         self.metrics = RouterMetrics(table=self.table)
+        self.gate = FairGate(self._dispatch_window, config.tenant_max_inflight or max(1, config.max_inflight // 2),
+                             parse_weights(config.tenant_weights))
         self.ledger = Ledger(Prices(cached_per_mtok=config.price_cached, uncached_per_mtok=config.price_uncached))
 
     async def start(self) -> None:
@@ -193,15 +196,17 @@ class RouterService(Service):
             prompt = await self._tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
-            await self.relay.serve(req, prompt, stream)
-            self._account(req, stream)
+            loop = asyncio.get_running_loop()
+            async with self.gate.slot(tenant or "", loop.time() + (stream.deadline - time.monotonic())):
+                await self.relay.serve(req, prompt, stream)
+            self._account(req, stream, tenant)
         except (DeepinferError, asyncio.CancelledError) as exc:
             err = exc if isinstance(exc, DeepinferError) else (
                 DeepinferError(ErrorCode.UNAVAILABLE, "router shutting down; retry") if self._draining
                 else DeepinferError(ErrorCode.CANCELLED, "cancelled"))
             outcome = err.code.value
             if err.code == ErrorCode.OVERLOADED:
-                self.metrics.rejected("predicted_ttft")
+                self.metrics.rejected("tenant_limit" if isinstance(err, TenantLimit) else "predicted_ttft")
             await send(protocol.TokenChunk.from_error(rid, stream.next_seq, err))
         finally:
             self.relays.pop(rid, None)
@@ -219,11 +224,13 @@ class RouterService(Service):
             raise invalid(f"unknown retention class {name!r} (known: {sorted(self.retention_classes)})")
         return name
 
-    def _account(self, req: protocol.GenerateRequest, stream: Stream) -> None:
+    def _account(self, req: protocol.GenerateRequest, stream: Stream, tenant: str | None) -> None:
+        """One ledger line per tenant (the plain API's requests, whatever their salt, under ``default``), so
+        clients varying ``cache_salt`` cannot crowd other tenants' lines out of the bounded ledger."""
         usage = stream.usage or {}
         prompt = int(usage.get("prompt_tokens", stream.prompt_len))
         tier = int(usage.get("tier_cached_tokens", 0) or 0)
-        self.ledger.record(req.cache_salt, req.retention, prompt, int(usage.get("cached_tokens", 0) or 0),
+        self.ledger.record(tenant or "", req.retention, prompt, int(usage.get("cached_tokens", 0) or 0),
                            int(usage.get("completion_tokens", 0) or 0), {"cache_tier": tier} if tier else None)
 
     async def on_stats(self, msg) -> None:
@@ -251,6 +258,13 @@ class RouterService(Service):
         if model and model not in reported and model not in (self.served_name, "default"):
             raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here "
                                  f"(serving: {self.served_name if reported else 'nothing yet'})")
+
+    def _dispatch_window(self) -> int | None:
+        """Requests the workers take at once (``FairGate``): the configured window, else the alive decode
+        workers' batch capacity; None = no limit (configured -1, or no decode worker reports one)."""
+        if self.config.dispatch_window:
+            return None if self.config.dispatch_window < 0 else self.config.dispatch_window
+        return sum(s.report.max_num_seqs for s in self.table.alive("decode")) or None
 
     def _check_context(self, prompt_len: int) -> None:
         """At the door, before any hashing or placement: a prompt that fills the context window of every decode

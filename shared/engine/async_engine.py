@@ -169,4 +169,4 @@ class AsyncEngine:
         return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
                 "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "queued_prefill_tokens": queued, "model_fingerprint": eng.fingerprint,
-                "max_model_len": eng.max_model_len}
+                "max_model_len": eng.max_model_len, "max_num_seqs": eng.config.max_num_seqs}

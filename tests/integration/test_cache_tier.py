@@ -135,7 +135,7 @@ async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_serv
     pulled = sum(services[w]["stats"]["tier"]["blocks_pulled"] for w in ("prefill-0", "decode-0"))
     assert pulled == 9 and all(services[w]["load"]["tier_block_s"] >= 0 for w in ("prefill-0", "decode-0"))
     router = next(s["stats"] for s in services.values() if s["load"]["role"] == "router")
-    line = router["accounting"]["by_tenant"]["acme"]["chat"]
+    line = router["accounting"]["by_tenant"]["default"]["chat"]  # a plain-API salt is no tenant
     assert line["cached_tokens"] == 72 and line["tier_tokens"] == {"cache_tier": 72}
     assert line["uncached_tokens"] == len(PROMPT) - 72 and line["cost"] < line["cost_without_cache"]
     text = status.format_status(report)

@@ -1,0 +1,144 @@
+"""FairGate (services/router/fair_gate.py): per-tenant bounds and fair dispatch order at the router's door."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.router.fair_gate import FairGate
+from shared.config import parse_weights
+from shared.errors import DeepinferError, ErrorCode
+
+
+class Run:
+    """Requests through a gate: each holds its slot until released; ``order`` records who got a slot when."""
+
+    def __init__(self, gate: FairGate) -> None:
+        self.gate, self.order, self.release, self.tasks = gate, [], {}, []
+
+    def start(self, name: str, tenant: str, deadline_s: float = 60.0) -> asyncio.Task:
+        done = asyncio.Event()
+        self.release[name] = done
+
+        async def request() -> None:
+            loop = asyncio.get_running_loop()
+            async with self.gate.slot(tenant, loop.time() + deadline_s):
+                self.order.append(name)
+                await done.wait()
+        task = asyncio.create_task(request())
+        self.tasks.append(task)
+        return task
+
+    async def settle(self) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+async def test_a_tenant_arriving_during_a_flood_is_served_next_not_after_it():
+    gate = FairGate(lambda: 2, tenant_max=100)
+    run = Run(gate)
+    for i in range(8):
+        run.start(f"a{i}", "acme")
+    await run.settle()
+    assert run.order == ["a0", "a1"] and gate.num_waiting == 6
+    run.start("b0", "beta")
+    await run.settle()
+    run.release["a0"].set()
+    await run.settle()
+    assert run.order[2] == "b0"                      # ahead of a2..a7, which queued before it
+    for name in ("a1", "b0", "a2"):
+        run.release[name].set()
+        await run.settle()
+    assert run.order[:5] == ["a0", "a1", "b0", "a2", "a3"] and gate.dispatched == 2
+    for done in run.release.values():
+        done.set()
+    await asyncio.gather(*run.tasks)
+    assert gate.dispatched == 0 and gate.held == {} and gate.num_waiting == 0
+
+
+async def test_weights_share_the_slots():
+    gate = FairGate(lambda: 1, tenant_max=100, weights=parse_weights("heavy=2"))
+    run = Run(gate)
+    run.start("first", "light")
+    await run.settle()
+    for i in range(6):
+        run.start(f"h{i}", "heavy")
+        run.start(f"l{i}", "light")
+    await run.settle()
+    for _ in range(9):                               # one slot: release whoever holds it, nine times
+        run.release[run.order[-1]].set()
+        await run.settle()
+    served = run.order[1:10]
+    assert sum(n.startswith("h") for n in served) == 6 and sum(n.startswith("l") for n in served) == 3, served
+    for done in run.release.values():
+        done.set()
+    await asyncio.gather(*run.tasks)
+
+
+async def test_a_tenant_over_its_limit_is_refused_and_others_are_not():
+    gate = FairGate(lambda: 1, tenant_max=3)
+    run = Run(gate)
+    for i in range(3):
+        run.start(f"a{i}", "acme")
+    await run.settle()
+    refused = run.start("a3", "acme")
+    await run.settle()
+    assert refused.done() and isinstance(refused.exception(), DeepinferError)
+    assert refused.exception().code == ErrorCode.OVERLOADED and "acme" in refused.exception().message
+    run.tasks.remove(refused)
+    run.start("b0", "beta")                           # another tenant still queues
+    await run.settle()
+    assert gate.held == {"acme": 3, "beta": 1}
+    for done in run.release.values():
+        done.set()
+    await asyncio.gather(*run.tasks)
+
+
+async def test_waiters_that_time_out_or_are_cancelled_take_no_slot():
+    gate = FairGate(lambda: 1, tenant_max=10)
+    run = Run(gate)
+    run.start("holder", "acme")
+    late = run.start("late", "beta", deadline_s=0.05)
+    gone = run.start("gone", "beta")
+    await run.settle()
+    gone.cancel()
+    with pytest.raises(DeepinferError) as err:
+        await late
+    assert err.value.code == ErrorCode.TIMEOUT
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    run.start("next", "gamma")
+    await run.settle()
+    run.release["holder"].set()
+    await run.settle()
+    assert run.order == ["holder", "next"] and gate.dispatched == 1 and gate.held == {"gamma": 1}
+    run.release["next"].set()
+    await run.settle()
+    assert gate.dispatched == 0 and gate.held == {}
+
+
+async def test_no_known_window_means_no_waiting_and_a_grown_window_is_used():
+    window = {"n": None}
+    gate = FairGate(lambda: window["n"], tenant_max=100)
+    run = Run(gate)
+    for i in range(5):
+        run.start(f"a{i}", "acme")
+    await run.settle()
+    assert len(run.order) == 5                        # unknown capacity: nobody waits (placement decides)
+    window["n"] = 5
+    run.start("b0", "beta")
+    await run.settle()
+    assert run.order[-1] != "b0"
+    window["n"] = 6                                   # a decode worker joined: the waiter notices within PUMP_S
+    await asyncio.sleep(1.2)
+    assert run.order[-1] == "b0"
+    for done in run.release.values():
+        done.set()
+    await asyncio.gather(*run.tasks)
+
+
+def test_weights_spec():
+    assert parse_weights(" acme=2, beta=0.5 ") == {"acme": 2.0, "beta": 0.5}
+    for bad in ("acme", "acme=0", "=2", "acme=x", "acme=-1"):
+        with pytest.raises(ValueError):
+            parse_weights(bad)

@@ -139,4 +139,4 @@ async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_serv
     assert line["cached_tokens"] == 72 and line["tier_tokens"] == {"cache_tier": 72}
     assert line["uncached_tokens"] == len(PROMPT) - 72 and line["cost"] < line["cost_without_cache"]
     text = status.format_status(report)
-    assert "cache-0" in text and "acme" in text and "ssd" in text
+    assert "cache-0" in text and "default" in text and "ssd" in text

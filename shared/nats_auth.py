@@ -105,8 +105,8 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         return _service(user,
                         publish=(S.PREFILL_ALL, S.DECODE_ALL, S.WORK_CANCEL, S.ctl_all("kv_snapshot"),
                                  S.ctl_all("probe"), *(S.inbox_all(c) for c in clients)),
-                        subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.LOAD_ALL,
-                                   S.KV_EVENTS))
+                        subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.HELD,
+                                   S.HELD_TENANTS, S.LOAD_ALL, S.KV_EVENTS))
     if user in ("prefill", "decode"):
         worker_sub = (S.WORK_CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
                       S.KV_PULL_ALL,  # serve staged transfers (hand-offs, tier write-backs)
@@ -123,10 +123,11 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
                         subscribe=(*(S.cache_all(op) for op in S.CACHE_OPS), S.ctl_all("kv_snapshot"),
                                    S.KV_PULL_ALL))  # serves its staged gets
     if user == "client":
-        return Permissions(publish=(S.GENERATE, S.CANCEL), subscribe=_own_inbox(user))
+        return Permissions(publish=(S.GENERATE, S.CANCEL, S.HELD), subscribe=_own_inbox(user))
     if user.startswith(TENANT_PREFIX):
         tenant = _check_name(user[len(TENANT_PREFIX):], "tenant")
-        return Permissions(publish=(S.generate_as(tenant), S.cancel_as(tenant)), subscribe=_own_inbox(user))
+        return Permissions(publish=(S.generate_as(tenant), S.cancel_as(tenant), S.held_as(tenant)),
+                           subscribe=_own_inbox(user))
     if user == MONITOR:
         return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)))
     raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {MONITOR!r} or {TENANT_PREFIX}<tenant>")

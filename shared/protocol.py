@@ -85,9 +85,18 @@ class GenerateRequest(WireModel):
     transport: str = ""             # force a KV transport; "" = router chooses
     retention: str = ""             # cache retention class; "" = by API (messages: chat, else none)
     speculative: bool | None = None  # speculative decoding on/off for this request; None = deployment default
+    # resuming a stream whose router died (shared/client.py): the tokens the client already has, and the seq its
+    # next chunk must carry; the router continues after them as after a failover
+    resume_tokens: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)
+    resume_seq: int = 0
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id, allow_empty=True)
+        _check_tokens("resume_tokens", self.resume_tokens, allow_empty=True)
+        _require(self.resume_seq >= 0 and (self.resume_seq > 0 or not self.resume_tokens),
+                 "field 'resume_seq': must be >= 0, and > 0 with resume_tokens")
+        _require(len(self.resume_tokens) < self.max_tokens or not self.resume_tokens,
+                 "field 'resume_tokens': must be fewer than max_tokens")
         _check_id("retention", self.retention, allow_empty=True)
         _require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
         _check_id("cache_salt", self.cache_salt, allow_empty=True)

@@ -35,10 +35,12 @@ PREFIX = "di.v1"
 
 GENERATE = f"{PREFIX}.generate"
 CANCEL = f"{PREFIX}.cancel"  # clients -> router (the router checks who may cancel what)
+HELD = f"{PREFIX}.held"  # clients -> routers: "is my request still relayed?" (the owning router answers)
 WORK_CANCEL = f"{PREFIX}.work_cancel"  # router -> workers: only the router role may publish it
 KV_EVENTS = f"{PREFIX}.kv.events"
 GENERATE_TENANTS = f"{PREFIX}.generate.*"
 CANCEL_TENANTS = f"{PREFIX}.cancel.*"
+HELD_TENANTS = f"{PREFIX}.held.*"
 LOAD_ALL = f"{PREFIX}.load.*"
 REGISTRY_BUCKET = "di_v1_workers"
 
@@ -87,9 +89,14 @@ def cancel_as(tenant: str) -> str:
     return f"{CANCEL}.{validate_token(tenant, 'tenant')}"
 
 
+def held_as(tenant: str) -> str:
+    """Where one tenant's clients ask whether a request is still relayed (``HELD_TENANTS`` matches all)."""
+    return f"{HELD}.{validate_token(tenant, 'tenant')}"
+
+
 def tenant_of(subject: str) -> str | None:
-    """The tenant of a ``generate_as`` / ``cancel_as`` subject; None for the plain ``GENERATE`` / ``CANCEL``."""
-    for base in (GENERATE, CANCEL):
+    """The tenant of a ``generate_as`` / ``cancel_as`` / ``held_as`` subject; None for the plain ones."""
+    for base in (GENERATE, CANCEL, HELD):
         if subject.startswith(base + "."):
             return validate_token(subject[len(base) + 1:], "tenant")
     return None

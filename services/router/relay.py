@@ -66,6 +66,7 @@ class Stream:
     usage: dict | None = None  # the final chunk's usage, once forwarded
     failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
     fingerprint: str | None = None  # the model build of its first attempt: continuations stay on it
+    resumed: bool = False  # a client's resume after its router died: ``delivered`` came with the request
 
 
 class Relay:
@@ -106,7 +107,8 @@ class Relay:
                 await self.forward(stream, protocol.TokenChunk(
                     request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
                     usage={"prompt_tokens": stream.prompt_len, "completion_tokens": len(stream.delivered),
-                           "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}))
+                           "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt,
+                           **({"resumed": 1} if stream.resumed else {})}))
                 return
             params = dataclasses.replace(params, max_tokens=left,
                                          min_tokens=max(0, params.min_tokens - len(stream.delivered)))
@@ -216,7 +218,8 @@ class Relay:
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
                 usage = {**usage, "prompt_tokens": stream.prompt_len,
                          "completion_tokens": len(stream.delivered) + len(chunk.token_ids),
-                         "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt}
+                         "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt,
+                         **({"resumed": 1} if stream.resumed else {})}
             await self.forward(stream, dataclasses.replace(chunk, usage=usage))
             if chunk.final:
                 return chunk.error is None

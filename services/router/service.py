@@ -90,6 +90,8 @@ class RouterService(Service):
         await self.runtime.serve(subjects.GENERATE_TENANTS, self.on_generate, queue="routers")
         await self.runtime.serve(subjects.CANCEL, self.on_cancel, work=False)
         await self.runtime.serve(subjects.CANCEL_TENANTS, self.on_cancel, work=False)
+        await self.runtime.serve(subjects.HELD, self.on_held, work=False)
+        await self.runtime.serve(subjects.HELD_TENANTS, self.on_held, work=False)
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
@@ -163,6 +165,13 @@ class RouterService(Service):
         if task is not None and self.owners.get(rid) == ("nats", subjects.tenant_of(msg.subject)):
             task.cancel()
 
+    async def on_held(self, msg) -> None:
+        """A client asks whether its request is still relayed (``shared/client.py`` resumes it elsewhere when no
+        router says so). Only the router holding it, in the asker's namespace, answers; the others stay silent."""
+        rid = protocol.decode(msg.data, protocol.RequestProbe).request_id
+        if msg.reply and rid in self.relays and self.owners.get(rid) == ("nats", subjects.tenant_of(msg.subject)):
+            await msg.respond(protocol.encode(protocol.Ack(ok=True)))
+
     async def on_generate(self, msg) -> None:
         if not msg.reply:
             raise invalid("generate needs a reply subject (use a NATS request or an inbox)")
@@ -187,7 +196,8 @@ class RouterService(Service):
             return
         self.relays[rid] = asyncio.current_task()
         self.owners[rid] = (api, tenant)
-        stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S))
+        stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
+                        next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens))
         self.metrics.request_started(api)
         outcome = "finished"
         try:

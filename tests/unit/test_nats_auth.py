@@ -26,10 +26,11 @@ def subscribers(pattern: str) -> set[str]:
 
 
 def test_clients_publish_only_the_client_api_and_hear_only_their_inbox():
-    assert permissions("client") == Permissions(publish=(subjects.GENERATE, subjects.CANCEL),
+    assert permissions("client") == Permissions(publish=(subjects.GENERATE, subjects.CANCEL, subjects.HELD),
                                                 subscribe=("_INBOX.client.>",))
     assert permissions("client-acme") == Permissions(
-        publish=(subjects.generate_as("acme"), subjects.cancel_as("acme")), subscribe=("_INBOX.client-acme.>",))
+        publish=(subjects.generate_as("acme"), subjects.cancel_as("acme"), subjects.held_as("acme")),
+        subscribe=("_INBOX.client-acme.>",))
     assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),
                                                subscribe=(subjects.LOAD_ALL, "_INBOX.monitor.>"))
 

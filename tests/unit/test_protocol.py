@@ -290,3 +290,13 @@ def test_generate_request_semantic_rejections(fields):
 ])
 def test_message_semantic_rejections(name, overrides):
     assert code_of(body(SAMPLES[name], **overrides)).code is ErrorCode.INVALID_REQUEST
+
+
+def test_a_resume_names_what_the_client_has_and_must_leave_tokens_to_generate():
+    ok = p.GenerateRequest(prompt="x", max_tokens=4, resume_tokens=[5, 6], resume_seq=2)
+    assert p.decode(p.encode(ok), p.GenerateRequest) == ok
+    for bad in ({"resume_tokens": [5], "resume_seq": 0}, {"resume_tokens": [5, 6, 7, 8], "resume_seq": 4},
+                {"resume_seq": -1}, {"resume_tokens": [-3], "resume_seq": 1}):
+        with pytest.raises(DeepinferError) as err:
+            p.GenerateRequest(prompt="x", max_tokens=4, **bad)
+        assert err.value.code == ErrorCode.INVALID_REQUEST

@@ -110,7 +110,7 @@ async def test_hand_back_and_cancel_are_counted_once_each(nats_server, tmp_path)
         assert [len(ids) for ids, _, _ in results] == [300] * 3
         nc = await connect(nats_server.url)
         try:
-            chunks = generate_stream(nc, req(9, 1000))
+            chunks = generate_stream(nc, req(9, 2000))  # seconds of work: it cannot end before the cancel lands
             async for chunk in chunks:
                 if chunk.seq == 2:
                     break                                    # leaves early: the client publishes a cancel

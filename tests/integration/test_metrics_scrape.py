@@ -94,13 +94,17 @@ async def test_workers_and_tier_expose_what_they_served(nats_server, tmp_path):
 async def test_hand_back_and_cancel_are_counted_once_each(nats_server, tmp_path):
     """In-process: a drained decode worker counts the streams it handed back as ``worker_lost``; a client that
     leaves early is counted ``cancelled``; every request a worker tracked has exactly one outcome."""
-    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=5, max_position_embeddings=2048)
+    # a model slow enough that 2,000 tokens outlast the client's cancel: with the tiny default, the relay (on the
+    # test's one event loop) could forward the whole stream before the client had read its third chunk
+    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=5, max_position_embeddings=2048, num_layers=6, hidden=192,
+                                  ffn=384)
 
     def req(i: int, max_tokens: int) -> protocol.GenerateRequest:
         return protocol.GenerateRequest(prompt_token_ids=[5 + i, 6, 7, 8] * 6, max_tokens=max_tokens,
                                         temperature=0.0, ignore_eos=True, prefill_mode="local")
 
-    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.2) as cluster:
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.2,
+                                kv_cache_mb=64) as cluster:
         victim, survivor = cluster.workers
         tasks = [asyncio.create_task(generate_once(nats_server.url, req(i, 300))) for i in range(3)]
         # every stream is held by a worker (none still in dispatch, where a refusal would be a failover too)

@@ -58,7 +58,7 @@ class DecodeService(Worker):
                 await msg.respond(protocol.encode(protocol.Ack()))
 
         hold = self.tier is not None  # keep the blocks at the end for the write-back
-        written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0
+        written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0  # local: set at the end
         imported: list[int] = []  # blocks pulled from the cache tier (local prefill)
         outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
         try:
@@ -91,6 +91,9 @@ class DecodeService(Worker):
                                                                   out.num_cached_tokens)
                                 self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
                                                          extra["tier_cached_tokens"])
+                                # blocks it found cached (device prefix cache, tier) were written back by whoever
+                                # computed them: only what this request computed goes to the tier
+                                written_from = out.num_cached_tokens // eng.config.block_size
                             await self.publish_output(req.reply_to, seq, out, extra)
                             await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
                         else:

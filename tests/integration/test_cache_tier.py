@@ -71,6 +71,22 @@ async def test_decode_writes_back_output_blocks_for_the_next_turn(nats_server, f
         assert usage["tier_cached_tokens"] > len(PROMPT) // 8 * 8   # more than the prompt's blocks
 
 
+async def test_a_local_prefill_writes_back_only_the_blocks_it_computed(nats_server, folder, expected, tmp_path):
+    """A repeat of a prompt whose blocks were cached (device prefix cache) writes back only its own new blocks:
+    the cached ones reached the tier with the request that computed them (64 requests behind one long system
+    prompt used to copy and resend that prompt's blocks 64 times)."""
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1, tier_dir=tmp_path) as cluster:
+        tier = cluster.workers[0].tier
+        tokens, _, _ = await generate_once(nats_server.url, request(prefill_mode="local"))
+        assert tokens == expected and await wait_until(lambda: tier.counters.blocks_written >= 9)
+        first = tier.counters.blocks_written
+        tokens, _, usage = await generate_once(nats_server.url, request(prefill_mode="local"))
+        assert tokens == expected and usage["cached_tokens"] == 9 * 8
+        assert await wait_until(lambda: tier.counters.blocks_written > first)
+        await asyncio.sleep(0.3)
+        assert tier.counters.blocks_written - first == (len(PROMPT) + MAX_TOKENS - 1) // 8 - 9, tier.stats()
+
+
 async def test_tenants_never_share_tier_blocks(nats_server, folder, expected, tmp_path):
     async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
         await generate_once(nats_server.url, request(cache_salt="tenant-a"))

@@ -215,7 +215,7 @@ class ServiceRuntime:
                                          block_size=self.info.block_size, host=self.info.host,
                                          timestamp=time.time(), draining=self.draining, instance=self.instance,
                                          **self._load_fn())
-            await self.nc.publish(subjects.load(self.info.worker_id), protocol.encode(report))
+            await self.nc.publish(subjects.load(self.info.worker_id, self.info.role), protocol.encode(report))
             if register:
                 await self._register()
         except Exception as err:  # NATS down: keep beating, reconnect is automatic

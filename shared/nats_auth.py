@@ -87,10 +87,15 @@ def _own_inbox(user: str) -> tuple[str, ...]:
     return (S.inbox_all(user),)
 
 
+HEARTBEAT_ROLE = {"router": "router", "prefill": "prefill", "decode": "decode", "draft": "draft",
+                  "cache-tier": "cache_tier"}  # NATS user -> the role its heartbeats name (protocol_control.ROLES)
+
+
 def _service(user: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
-    """A service: heartbeats + registry entry, its own inbox (``sync_with_server`` publishes there), replies."""
+    """A service: heartbeats under its own role only, registry entry, its own inbox (``sync_with_server``
+    publishes there), replies."""
     own = _own_inbox(user)
-    return Permissions(publish=(*publish, S.LOAD_ALL, S.REGISTRY_KV, *S.REGISTRY_API, *own),
+    return Permissions(publish=(*publish, S.load_role(HEARTBEAT_ROLE[user]), S.REGISTRY_KV, *S.REGISTRY_API, *own),
                        subscribe=(*subscribe, S.ctl_all("stats"), *own), allow_responses=True)
 
 

@@ -104,7 +104,7 @@ class RouterWatch:
                 logger.debug("undecodable heartbeat on %s: %s", msg.subject, err)
                 return
             self.state.heartbeat(report.worker_id, report.instance, time.monotonic())
-        entry.sub = await self.nc.subscribe(subjects.load(router_id), cb=on_beat, pending_msgs_limit=64)
+        entry.sub = await self.nc.subscribe(subjects.load(router_id, "router"), cb=on_beat, pending_msgs_limit=64)
         if self.state.routers.get(router_id) is not entry:  # released while subscribing
             self.spawn(self._unsubscribe(entry.sub))
 

@@ -8,7 +8,10 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
                                      may publish only here): the router derives the cache salt from the tenant
 - ``di.v1.cancel.<tenant>``          a tenant's cancels (the router stops only that tenant's requests)
 - ``di.v1.kv.events``                KVEvent: blocks stored/removed/cleared by a worker or the cache tier
-- ``di.v1.load.<worker>``            LoadReport heartbeats; ``di.v1.load.*`` (LOAD_ALL) subscribes to all
+- ``di.v1.load.<role>.<worker>``     LoadReport heartbeats; ``di.v1.load.*.*`` (LOAD_ALL) subscribes to all. The
+                                     role is in the subject so that NATS permissions bind it to the credential
+                                     (a role's user may publish only ``di.v1.load.<its role>.*``); the router
+                                     drops a report whose body disagrees with its subject
 - ``di.v1.prefill.<worker>``         PrefillRequest to one prefill worker
 - ``di.v1.decode.<worker>``          KVHandoff / DecodeLocalRequest to one decode worker
 - ``di.v1.kvx.<transfer>``           ``stream`` KV transport: pulls of one transfer's payload chunks
@@ -41,7 +44,7 @@ KV_EVENTS = f"{PREFIX}.kv.events"
 GENERATE_TENANTS = f"{PREFIX}.generate.*"
 CANCEL_TENANTS = f"{PREFIX}.cancel.*"
 HELD_TENANTS = f"{PREFIX}.held.*"
-LOAD_ALL = f"{PREFIX}.load.*"
+LOAD_ALL = f"{PREFIX}.load.*.*"
 REGISTRY_BUCKET = "di_v1_workers"
 
 _FORBIDDEN = frozenset(".*>")
@@ -112,9 +115,23 @@ def decode(worker_id: str) -> str:
     return f"{PREFIX}.decode.{validate_token(worker_id, 'worker_id')}"
 
 
-def load(worker_id: str) -> str:
-    """Subject a worker publishes its LoadReport heartbeats on (LOAD_ALL matches all of them)."""
-    return f"{PREFIX}.load.{validate_token(worker_id, 'worker_id')}"
+def load(worker_id: str, role: str) -> str:
+    """Subject a service of ``role`` (``protocol_control.ROLES``) publishes its LoadReport heartbeats on
+    (LOAD_ALL matches all of them)."""
+    return f"{PREFIX}.load.{validate_token(role, 'role')}.{validate_token(worker_id, 'worker_id')}"
+
+
+def load_role(role: str) -> str:
+    """Every heartbeat subject of one role: what that role's NATS user may publish."""
+    return f"{PREFIX}.load.{validate_token(role, 'role')}.*"
+
+
+def load_origin(subject: str) -> tuple[str, str]:
+    """``(role, worker id)`` named by a ``load`` subject."""
+    parts = subject.split(".")
+    if len(parts) != 5 or ".".join(parts[:3]) != f"{PREFIX}.load":
+        raise ValueError(f"not a heartbeat subject: {subject!r}")
+    return parts[3], parts[4]
 
 
 def kv_pull(transfer_id: str) -> str:

@@ -78,7 +78,7 @@ class TierClient:
     async def start(self, first_beat_wait_s: float = TIER_DEAD_AFTER_S) -> None:
         """Follow the tier's heartbeats; wait up to ``first_beat_wait_s`` for the first one, so a worker that
         starts next to a running tier uses it from its first request (a missing tier is only logged)."""
-        self._sub = await self.nc.subscribe(subjects.load(self.tier_id), cb=self._on_heartbeat)
+        self._sub = await self.nc.subscribe(subjects.load(self.tier_id, "cache_tier"), cb=self._on_heartbeat)
         self._tasks.append(asyncio.create_task(self._writer()))
         try:
             await asyncio.wait_for(self._first_beat.wait(), first_beat_wait_s)

@@ -76,7 +76,8 @@ class Fuzzer(Mutations):
         """(subject, the message family it expects)."""
         out = [(subjects.GENERATE, "generate"), (subjects.CANCEL, "cancel"), (subjects.KV_EVENTS, "kv_event")]
         for w in self.workers:
-            out += [(subjects.load(w), "load"), (subjects.prefill(w), "prefill"), (subjects.decode(w), "decode"),
+            role = w.split("-")[0] if w.split("-")[0] in ("prefill", "decode", "router") else "decode"
+            out += [(subjects.load(w, role), "load"), (subjects.prefill(w), "prefill"), (subjects.decode(w), "decode"),
                     (subjects.ctl(w, "kv_snapshot"), "ctl")]
         prefillers = [w for w in self.workers if w.startswith("prefill")] or self.workers[:1]
         for k in range(0, ID_POOL, 6):  # live `stream` transfers of the pool's ids, and ones that never exist
@@ -238,7 +239,7 @@ class Fuzzer(Mutations):
         subject = rng.choice([s for s, f in self.subjects if f == family])
         r = rng.random()
         reply = self._inbox() if r < 0.6 else None if r < 0.85 else rng.choice(
-            [subjects.GENERATE, subjects.CANCEL, subjects.KV_EVENTS, subjects.load("router"),
+            [subjects.GENERATE, subjects.CANCEL, subjects.KV_EVENTS, subjects.load("router", "router"),
              subjects.decode(self.workers[-1]), "_INBOX.x", "fz"])
         if family == "kvx" and rng.random() < 0.7:  # a pull body: {"i": chunk}
             i = rng.choice([0, 1, 2, -1, 2**63 - 1, "0", None, 0.5, math.nan, math.inf, [], {"j": 1}])

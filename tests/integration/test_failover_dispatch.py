@@ -27,7 +27,7 @@ async def ghost_heartbeats(url: str, report: protocol.LoadReport, stop: asyncio.
     nc = await connect(url)
     try:
         while not stop.is_set():
-            await nc.publish(subjects.load(report.worker_id), protocol.encode(report))
+            await nc.publish(subjects.load(report.worker_id, report.role), protocol.encode(report))
             await asyncio.sleep(0.2)
     finally:
         await nc.close()
@@ -57,6 +57,28 @@ async def test_worker_without_responder_is_failed_over(nats_server, folder, role
             await beating
     assert ids == expected
     assert usage["failovers"] == 1
+
+
+async def test_a_heartbeat_whose_body_disagrees_with_its_subject_is_ignored(nats_server, folder):
+    """The subject's role is what NATS permissions bind to a credential: a draft (or any other) service posing
+    as a decode worker in the body, or under another worker's id, is not believed."""
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1) as cluster:
+        real = cluster.workers[0]
+        report = protocol.LoadReport(worker_id="poser", role="decode", model_id=real.engine.model.config.model_id,
+                                     num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=10**6,
+                                     num_total_blocks=10**6, block_size=8, transports=["shm"], host="h",
+                                     timestamp=time.time(), model_fingerprint=real.engine.fingerprint)
+        nc = await connect(nats_server.url)
+        try:
+            for subject in (subjects.load("poser", "draft"), subjects.load("someone-else", "decode")):
+                await nc.publish(subject, protocol.encode(report))
+            await nc.flush()
+            await asyncio.sleep(0.5)
+            assert "poser" not in cluster.router.table.workers and "someone-else" not in cluster.router.table.workers
+            await nc.publish(subjects.load("poser", "decode"), protocol.encode(report))   # consistent: believed
+            assert await wait_until(lambda: cluster.router.table.is_alive("poser"))
+        finally:
+            await nc.close()
 
 
 async def test_refusals_are_retryable_and_bad_input_is_not(nats_server, folder):

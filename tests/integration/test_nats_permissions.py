@@ -23,18 +23,24 @@ TENANTS = ["a", "b"]
 ADMIN = "admin"  # an unrestricted observer (permissions=None): what it does not receive was not delivered
 SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 SPOOFS = {  # user -> subjects it must not publish on
-    "client": [subjects.load("decode-0"), subjects.KV_EVENTS, subjects.decode("decode-0"), subjects.prefill("p"),
+    "client": [subjects.load("decode-0", "decode"), subjects.KV_EVENTS, subjects.decode("decode-0"), subjects.prefill("p"),
                subjects.cache("put", "cache-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
                subjects.kv_pull("t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
                f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1], subjects.WORK_CANCEL],
     "client-a": [subjects.GENERATE, subjects.CANCEL, subjects.generate_as("b"), subjects.cancel_as("b"),
-                 subjects.load("x"), "_INBOX.client.x", subjects.WORK_CANCEL],
-    "draft": [subjects.KV_EVENTS, subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL],
-    "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache("put", "c")],
-    "monitor": [subjects.load("x"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.KV_EVENTS],
-    "router": [subjects.KV_EVENTS, subjects.cache("put", "c"), subjects.draft("m"), subjects.GENERATE],
-    "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x"],
-    "decode": [subjects.prefill("p"), subjects.decode("d"), subjects.GENERATE, "_INBOX.client.x"],
+                 subjects.load("x", "decode"), "_INBOX.client.x", subjects.WORK_CANCEL],
+    # a role's credential heartbeats only as that role: no posing as a decode worker to be sent prompts
+    "draft": [subjects.KV_EVENTS, subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL,
+              subjects.load("d", "decode"), subjects.load("r", "router")],
+    "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache("put", "c"),
+                   subjects.load("d", "decode"), subjects.load("p", "prefill")],
+    "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.KV_EVENTS],
+    "router": [subjects.KV_EVENTS, subjects.cache("put", "c"), subjects.draft("m"), subjects.GENERATE,
+               subjects.load("d", "decode")],
+    "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
+                subjects.load("d", "decode")],
+    "decode": [subjects.prefill("p"), subjects.decode("d"), subjects.GENERATE, "_INBOX.client.x",
+               subjects.load("p", "prefill"), subjects.load("c", "cache_tier")],
 }
 FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     "client": ["_INBOX.router.>", "_INBOX.client-b.>", "di.v1.>", ">", subjects.LOAD_ALL, subjects.GENERATE],
@@ -214,8 +220,10 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
       for w in ("prefill", "decode") for op in ("put", "get", "release")),
     ("decode", "draft", subjects.draft("model"), True),
     *(("monitor", s, subjects.stats(f"{s}-0"), True) for s in SERVICES),
-    *((s, o, subjects.load(f"{s}-0"), False) for s in SERVICES for o in ("router", "monitor")),
-    ("cache-tier", "prefill", subjects.load("cache-0"), False), ("cache-tier", "decode", subjects.load("c-0"), False),
+    *((s, o, subjects.load(f"{s}-0", s.replace("-", "_")), False) for s in SERVICES for o in ("router", "monitor")),
+    ("cache-tier", "prefill", subjects.load("cache-0", "cache_tier"), False),
+    ("cache-tier", "decode", subjects.load("c-0", "cache_tier"), False),
+    ("router", "decode", subjects.load("router-0", "router"), False),         # workers watch their routers
     *((s, "router", subjects.KV_EVENTS, False) for s in ("prefill", "decode", "cache-tier")),
 ]
 

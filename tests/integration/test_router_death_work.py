@@ -42,7 +42,7 @@ class FakeRouter:
 
     async def _beat(self) -> None:
         while self.beating:
-            await self.nc.publish(subjects.load("router-z"), router_beat(self.instance))
+            await self.nc.publish(subjects.load("router-z", "router"), router_beat(self.instance))
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:

@@ -36,7 +36,9 @@ def test_clients_publish_only_the_client_api_and_hear_only_their_inbox():
 
 
 def test_only_the_owning_roles_publish_control_traffic():
-    assert publishers(subjects.LOAD_ALL) == set(SERVICES)  # heartbeats
+    for user in SERVICES:  # heartbeats: each role under its own role only
+        assert publishers(subjects.load_role(nats_auth.HEARTBEAT_ROLE[user])) == {user}
+    assert publishers(subjects.LOAD_ALL) == set()
     assert publishers(subjects.KV_EVENTS) == {"prefill", "decode", "cache-tier"}
     assert publishers(subjects.PREFILL_ALL) == {"router"}
     assert publishers(subjects.DECODE_ALL) == {"router", "prefill"}  # dispatch; the KV hand-off

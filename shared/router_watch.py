@@ -10,7 +10,8 @@ Invariants:
   last heartbeat, the moment the watch began, the worker's own last reconnect: a worker that was cut off from
   NATS missed heartbeats, the router did not miss them), or at once when that router id heartbeats as another
   instance (restarted under the same id: the new process does not know the old streams);
-- work that names no router (``router_id`` "") is never orphaned;
+- work that names no router (``router_id`` "") is never orphaned, nor is work of a router whose heartbeats
+  could not be subscribed to;
 - per router a single subscription, on its own heartbeat subject (``subjects.load``); subscriptions of routers
   no held request names are dropped, so their number stays bounded by the routers with work here.
 """
@@ -67,6 +68,12 @@ class RouterLiveness:
         del self.routers[router_id]
         return entry
 
+    def forget(self, router_id: str) -> None:
+        """Stop watching ``router_id`` and every request it relays (its heartbeats cannot be followed)."""
+        entry = self.routers.pop(router_id, None)
+        for request_id in entry.held if entry is not None else ():
+            self.requests.pop(request_id, None)
+
     def heartbeat(self, router_id: str, instance: str, now: float) -> None:
         entry = self.routers.get(router_id)
         if entry is not None:
@@ -104,7 +111,16 @@ class RouterWatch:
                 logger.debug("undecodable heartbeat on %s: %s", msg.subject, err)
                 return
             self.state.heartbeat(report.worker_id, report.instance, time.monotonic())
-        entry.sub = await self.nc.subscribe(subjects.load(router_id, "router"), cb=on_beat, pending_msgs_limit=64)
+        try:
+            entry.sub = await self.nc.subscribe(subjects.load(router_id, "router"), cb=on_beat,
+                                                pending_msgs_limit=64)
+        except BaseException as err:  # NATS trouble, or cancelled: unwatched work is never stopped by mistake
+            if self.state.routers.get(router_id) is entry:
+                self.state.forget(router_id)
+            if not isinstance(err, Exception):
+                raise
+            logger.warning("cannot follow router %s's heartbeats (%s): its work here is not watched", router_id, err)
+            return
         if self.state.routers.get(router_id) is not entry:  # released while subscribing
             self.spawn(self._unsubscribe(entry.sub))
 

@@ -201,10 +201,11 @@ class Worker(Service):
             logger.debug("[%s] no write-back: %s", request_id, err)
 
     async def track(self, request_id: str, reply_to: str, router_id: str = "", router_instance: str = "") -> None:
-        """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched)."""
+        """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched). Raises
+        only ``CancelledError``, and then tracks nothing."""
+        await self.router_watch.hold(request_id, router_id, router_instance)
         self.active[request_id] = (asyncio.current_task(), reply_to)
         self.metrics.request_started(request_id)
-        await self.router_watch.hold(request_id, router_id, router_instance)
 
     def untrack(self, request_id: str, outcome: str) -> None:
         """The request left this worker; ``outcome`` (``finished``, ``handed_off``, ``cancelled`` or an error

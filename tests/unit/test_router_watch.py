@@ -41,3 +41,12 @@ def test_a_reconnect_of_the_worker_restarts_the_count():
     s.reconnected_at = 10.0
     assert s.orphans(now=10.5) == []
     assert s.orphans(now=13.0) == ["a"]
+
+
+def test_forgetting_a_router_unwatches_all_its_work():
+    s = RouterLiveness(dead_after_s=1.0)
+    s.hold("a", "router-0", "i1", now=0.0)
+    s.hold("b", "router-0", "i1", now=0.0)
+    s.forget("router-0")
+    assert s.orphans(now=100.0) == [] and s.routers == {} and s.requests == {}
+    assert s.release("a") is None

@@ -22,7 +22,7 @@ import logging
 import time
 
 from benchmarks.engine_throughput import load_prompt_set
-from shared import protocol
+from shared import protocol, subjects
 from shared.bus import connect
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -34,7 +34,7 @@ from shared.spec.confidence import FixedK
 from shared.spec.remote import RemoteDrafter, reply_for, sequences_of
 from shared.spec.types import Proposal
 
-SUBJECT = "di.v1.draft.bench"
+SUBJECT = subjects.draft("bench")
 log = logging.getLogger("bench")
 
 

@@ -8,15 +8,16 @@ import time
 import pytest
 
 from services.draft.service import DraftService
-from shared import protocol
+from shared import protocol, subjects
 from shared.config import DraftConfig
 from shared.spec.breaker import CircuitBreaker
 from shared.spec.remote import RemoteDrafter, request_for, reply_for
 from shared.spec.types import DraftInput, Proposal
 from tests.integration.conftest import connect
+from tests.integration.test_speculative import SlowDrafter
 from tests.model_factory import write_tiny_hf_folder
 
-SUBJECT = "di.v1.draft.test-model"
+SUBJECT = subjects.draft("test-model")
 SEQS = [DraftInput("0", [5, 6, 7, 8])]
 
 
@@ -60,17 +61,6 @@ async def test_the_breaker_stops_waiting_on_a_slow_service_and_closes_when_it_re
         assert drafter.breaker.skipped == calls and drafter.timeouts == 3 and drafter.breaker.state == "closed"
     finally:
         await nc.close()
-
-
-class SlowDrafter:
-    """Fault injection: the wrapped drafter, ``delay_s`` late."""
-
-    def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s, self.name = inner, delay_s, "slow"
-
-    def propose(self, sequences, k):
-        time.sleep(self.delay_s)
-        return self.inner.propose(sequences, k)
 
 
 @pytest.mark.parametrize("budget_s, served", [(0.2, 1), (0.0, 5)])

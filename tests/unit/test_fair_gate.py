@@ -33,6 +33,11 @@ class Run:
         for _ in range(5):
             await asyncio.sleep(0)
 
+    async def release_all(self) -> None:
+        for done in self.release.values():
+            done.set()
+        await asyncio.gather(*self.tasks)
+
 
 async def test_a_tenant_arriving_during_a_flood_is_served_next_not_after_it():
     gate = FairGate(lambda: 2, tenant_max=100)
@@ -50,9 +55,7 @@ async def test_a_tenant_arriving_during_a_flood_is_served_next_not_after_it():
         run.release[name].set()
         await run.settle()
     assert run.order[:5] == ["a0", "a1", "b0", "a2", "a3"] and gate.dispatched == 2
-    for done in run.release.values():
-        done.set()
-    await asyncio.gather(*run.tasks)
+    await run.release_all()
     assert gate.dispatched == 0 and gate.held == {} and gate.num_waiting == 0
 
 
@@ -70,9 +73,7 @@ async def test_weights_share_the_slots():
         await run.settle()
     served = run.order[1:10]
     assert sum(n.startswith("h") for n in served) == 6 and sum(n.startswith("l") for n in served) == 3, served
-    for done in run.release.values():
-        done.set()
-    await asyncio.gather(*run.tasks)
+    await run.release_all()
 
 
 async def test_a_tenant_over_its_limit_is_refused_and_others_are_not():
@@ -89,9 +90,7 @@ async def test_a_tenant_over_its_limit_is_refused_and_others_are_not():
     run.start("b0", "beta")                           # another tenant still queues
     await run.settle()
     assert gate.held == {"acme": 3, "beta": 1}
-    for done in run.release.values():
-        done.set()
-    await asyncio.gather(*run.tasks)
+    await run.release_all()
 
 
 async def test_waiters_that_time_out_or_are_cancelled_take_no_slot():
@@ -132,9 +131,7 @@ async def test_no_known_window_means_no_waiting_and_a_grown_window_is_used():
     window["n"] = 6                                   # a decode worker joined: the waiter notices within PUMP_S
     await asyncio.sleep(1.2)
     assert run.order[-1] == "b0"
-    for done in run.release.values():
-        done.set()
-    await asyncio.gather(*run.tasks)
+    await run.release_all()
 
 
 def test_weights_spec():

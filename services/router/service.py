@@ -10,7 +10,7 @@ that are dead or never heartbeated are dropped after a sweep interval. Every rep
 ``TokenChunk``; the last one has ``final=True`` and either usage or an error. Undecodable requests get an
 ``ErrorReply``. A client cancel (``di.v1.cancel``) stops the stream and its workers; a tenant's cancel
 (``di.v1.cancel.<tenant>``) stops only that tenant's streams. An authenticated tenant's requests run under the
-cache salt ``t/<tenant>`` (``tenant_salt``), a prefix nobody else may claim.
+cache salt ``t/<tenant>`` (``services/router/tenancy.py``), a prefix nobody else may claim.
 
 Drain (SIGTERM): leave the ``routers`` queue group (other routers take new requests), let relayed streams
 finish for ``drain_grace_s``, end the rest with ``unavailable``, then drain NATS.
@@ -32,13 +32,13 @@ from shared.accounting import Ledger, Prices
 from shared.config import RouterConfig, parse_weights
 from shared.kv.store.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
-from shared.wire_fields import MAX_ID_LEN
 from services.router.http_api import HttpApi
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placer
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, TenantLimit
+from services.router.tenancy import tenant_salt
 from services.router.workers import WorkerTable
 from shared.sched.kv_index import KVIndex
 from shared.sched.profiles import get_profile
@@ -331,20 +331,3 @@ class RouterService(Service):
         self._draining = True
         for task in list(self.relays.values()):
             task.cancel()
-
-
-TENANT_SALT_PREFIX = "t/"
-
-
-def tenant_salt(req: protocol.GenerateRequest, tenant: str | None) -> str:
-    """The cache salt a request runs under. An authenticated tenant's requests are salted ``t/<tenant>`` (plus
-    ``/<their own salt>``), so nobody else can hit that tenant's cache; the ``t/`` prefix is reserved, so a
-    client cannot claim another tenant's salt through the plain API."""
-    if req.cache_salt.startswith(TENANT_SALT_PREFIX):
-        raise invalid(f"cache_salt: the prefix {TENANT_SALT_PREFIX!r} is reserved for authenticated tenants")
-    if tenant is None:
-        return req.cache_salt
-    salt = TENANT_SALT_PREFIX + tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
-    if len(salt) > MAX_ID_LEN:
-        raise invalid(f"cache_salt: longer than {MAX_ID_LEN - len(tenant) - 3} characters for this tenant")
-    return salt

@@ -4,7 +4,7 @@ import pytest
 from services.router.api_keys import ApiKeys, parse_api_keys
 from services.router.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, chunk_error, error_body, full_response,
                                         parse_call, stream_events)
-from services.router.service import tenant_salt
+from services.router.tenancy import tenant_salt
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 
 from shared.errors import DeepinferError, ErrorCode
@@ -72,7 +73,7 @@ class FairGate:
     @contextlib.asynccontextmanager
     async def slot(self, tenant: str, deadline: float):
         """Hold a dispatch slot for ``tenant`` while the block runs; waits for one (at most until ``deadline``,
-        a ``loop.time()`` instant: then ``timeout``)."""
+        a ``time.monotonic()`` instant like ``Stream.deadline``: then ``timeout``)."""
         held = self.held.get(tenant, 0)
         if held >= self.tenant_max:
             raise TenantLimit(f"tenant {tenant or '(plain API)'} has {held} requests in flight (limit "
@@ -98,13 +99,12 @@ class FairGate:
             self._pump()
 
     async def _wait(self, tag: float, deadline: float) -> bool:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (tag, next(self._order), fut))
         try:
             while not fut.done():
                 self._pump()
-                left = deadline - loop.time()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeepinferError(ErrorCode.TIMEOUT, "the request's deadline passed while it waited for "
                                          "a dispatch slot")

@@ -68,6 +68,12 @@ class Stream:
     fingerprint: str | None = None  # the model build of its first attempt: continuations stay on it
     resumed: bool = False  # a client's resume after its router died: ``delivered`` came with the request
 
+    def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
+        """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
+        return {**usage, "prompt_tokens": self.prompt_len, "completion_tokens": completion_tokens,
+                "ttft_ms": (self.ttft_s or 0.0) * 1000.0, "failovers": failovers,
+                **({"resumed": 1} if self.resumed else {})}
+
 
 class Relay:
     """Serves streams for the router: ``serve(req, prompt, stream)`` returns once the client got its final
@@ -106,9 +112,7 @@ class Relay:
             if left <= 0:  # the worker died between the last token and the final chunk
                 await self.forward(stream, protocol.TokenChunk(
                     request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
-                    usage={"prompt_tokens": stream.prompt_len, "completion_tokens": len(stream.delivered),
-                           "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt,
-                           **({"resumed": 1} if stream.resumed else {})}))
+                    usage=stream.whole_usage({}, len(stream.delivered), attempt)))
                 return
             params = dataclasses.replace(params, max_tokens=left,
                                          min_tokens=max(0, params.min_tokens - len(stream.delivered)))
@@ -216,10 +220,7 @@ class Relay:
                     stream.ttft_s = time.monotonic() - stream.t0
             usage = chunk.usage
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
-                usage = {**usage, "prompt_tokens": stream.prompt_len,
-                         "completion_tokens": len(stream.delivered) + len(chunk.token_ids),
-                         "ttft_ms": (stream.ttft_s or 0.0) * 1000.0, "failovers": attempt,
-                         **({"resumed": 1} if stream.resumed else {})}
+                usage = stream.whole_usage(usage, len(stream.delivered) + len(chunk.token_ids), attempt)
             await self.forward(stream, dataclasses.replace(chunk, usage=usage))
             if chunk.final:
                 return chunk.error is None

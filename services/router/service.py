@@ -166,16 +166,19 @@ class RouterService(Service):
         """A cancel stops a request of the same namespace only: a tenant's subject cancels that tenant's
         requests, the plain subject those that came without a tenant."""
         rid = protocol.decode(msg.data, protocol.CancelRequest).request_id
-        task = self.relays.get(rid)
-        if task is not None and self.owners.get(rid) == ("nats", subjects.tenant_of(msg.subject)):
-            task.cancel()
+        if self._asked_by_owner(rid, msg.subject):
+            self.relays[rid].cancel()
 
     async def on_held(self, msg) -> None:
         """A client asks whether its request is still relayed (``shared/client.py`` resumes it elsewhere when no
         router says so). Only the router holding it, in the asker's namespace, answers; the others stay silent."""
         rid = protocol.decode(msg.data, protocol.RequestProbe).request_id
-        if msg.reply and rid in self.relays and self.owners.get(rid) == ("nats", subjects.tenant_of(msg.subject)):
+        if msg.reply and self._asked_by_owner(rid, msg.subject):
             await msg.respond(protocol.encode(protocol.Ack(ok=True)))
+
+    def _asked_by_owner(self, rid: str, subject: str) -> bool:
+        """``rid`` is relayed here and came over NATS in the namespace (plain or tenant) of ``subject``."""
+        return rid in self.relays and self.owners.get(rid) == ("nats", subjects.tenant_of(subject))
 
     async def on_generate(self, msg) -> None:
         if not msg.reply:
@@ -211,8 +214,7 @@ class RouterService(Service):
             prompt = await self._tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
-            loop = asyncio.get_running_loop()
-            async with self.gate.slot(tenant or "", loop.time() + (stream.deadline - time.monotonic())):
+            async with self.gate.slot(tenant or "", stream.deadline):
                 await self.relay.serve(req, prompt, stream)
             self._account(req, stream, tenant)
         except (DeepinferError, asyncio.CancelledError) as exc:

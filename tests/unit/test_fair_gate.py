@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -21,8 +22,7 @@ class Run:
         self.release[name] = done
 
         async def request() -> None:
-            loop = asyncio.get_running_loop()
-            async with self.gate.slot(tenant, loop.time() + deadline_s):
+            async with self.gate.slot(tenant, time.monotonic() + deadline_s):
                 self.order.append(name)
                 await done.wait()
         task = asyncio.create_task(request())

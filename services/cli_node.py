@@ -58,13 +58,14 @@ def add_parser(sub) -> None:
     node.add_argument("--tier", default="", metavar="ID",
                       help="the cache tier this host's workers use when it runs none (e.g. cache-b-0)")
     node.add_argument("--cache-tier-dir", default=str(Path.home() / ".cache" / "deepinfer" / "cache-tier"))
+    cli_up.add_tier_memory_args(node)
     cli_up.add_draft_args(node)
     node.add_argument("--drafter", default="prompt_lookup")
     node.add_argument("--model", default=None)
     node.add_argument("--served-model-name", default="", help="the router's model id for clients")
     node.add_argument("--dtype", default="auto")
     node.add_argument("--local-prefill-threshold", type=int, default=64)
-    node.add_argument("--kv-cache-mb", type=int, default=256)
+    node.add_argument("--kv-cache-mb", type=int, default=1024)
     node.add_argument("--transports", default="cuda_ipc,shm,nixl,tcp,stream")
     node.add_argument("--http-host", default="0.0.0.0")
     node.add_argument("--http-port", type=int, default=8000)
@@ -89,6 +90,7 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
     return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", served_model_name=args.served_model_name, dtype=args.dtype,
                        kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
+                       cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
                        draft=cli_up.draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port if args.router else -1,
                        auth=bool(passwords), passwords=passwords, router=args.router, name=args.name,

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     up.add_argument("--model", default=None)
     up.add_argument("--served-model-name", default="", metavar="NAME",
                     help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
-    up.add_argument("--kv-cache-mb", type=int, default=256)
+    up.add_argument("--kv-cache-mb", type=int, default=1024,
+                    help="each engine worker's KV pool (the in-process engine's default; 256 preempted a 64-request burst)")
     up.add_argument("--local-prefill-threshold", type=int, default=64)
     up.add_argument("--policy", default="predictive",
                     help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
@@ -41,6 +42,7 @@ def add_parser(sub) -> None:
                     help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
     up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
                     help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
+    add_tier_memory_args(up)
     add_draft_args(up)
     up.add_argument("--drafter", default="prompt_lookup",
                     help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
@@ -92,6 +94,14 @@ def default_prefill_workers() -> int:
     return 1 if torch.cuda.device_count() >= 2 else 0
 
 
+def add_tier_memory_args(parser) -> None:
+    """The cache tiers' DRAM flags (``up`` and ``node``)."""
+    parser.add_argument("--tier-dram-mb", type=int, default=1024, metavar="MB", help="each cache tier's DRAM budget")
+    parser.add_argument("--no-tier-reserve", action="store_true",
+                        help="do not fault in the tiers' DRAM budget at start (default: reserved, so filling it never "
+                             "page-faults while serving; shared/kv/store/dram_reserve.py)")
+
+
 def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) -> ClusterSpec:
     """The ``ClusterSpec`` of ``deepinfer up``'s flags; ``ValueError`` for a bad combination (e.g. --tenants
     without auth). Auth: the embedded server only (a --nats server's users are not ours to make)."""
@@ -106,6 +116,7 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                        served_model_name=args.served_model_name, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
+                       cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
                        draft=draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
                        tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])

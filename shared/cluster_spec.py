@@ -33,6 +33,7 @@ class ClusterSpec:
     cache_tier: int = 1  # cache tier services (one per host by default; 0 = none)
     cache_tier_dir: str = ""  # their SSD directories live under it ("" = a fresh temporary directory)
     cache_tier_dram_mb: int = 1024
+    cache_tier_reserve_dram: bool = False  # fault the DRAM budget in at start (``deepinfer up``/``node`` do)
     cache_tier_ssd_mb: int = 16384
     draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
     drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path

@@ -153,6 +153,8 @@ class CacheTierConfig:
     registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     directory: str = ""  # SSD tier directory ("" = ~/.cache/deepinfer/cache-tier/<worker_id>)
     dram_mb: int = 1024
+    # fault in the DRAM budget at start (shared/kv/store/dram_reserve.py): filling DRAM then never page-faults
+    reserve_dram: bool = False
     ssd_mb: int = 65536
     segment_mb: int = 64
     fsync: str = "batch"  # always | batch | never (see shared/kv/store/config.py)

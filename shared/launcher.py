@@ -141,6 +141,7 @@ class Cluster:
         self._spawn(name, "services.cache_tier", [*self._common_args(name),
                                                   "--directory", s.tier_dir(index),
                                                   "--dram-mb", str(s.cache_tier_dram_mb),
+                                                  "--reserve-dram", str(s.cache_tier_reserve_dram),
                                                   "--ssd-mb", str(s.cache_tier_ssd_mb),
                                                   *self._metrics_args(name)], 1, "cache-tier")
         return name

@@ -93,6 +93,7 @@ class Worker(Service):
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
                                    c.tier_write_queue)
             await self.tier.start()
+            await self.tier.warm_staging(engine.kv_cache[0].numel() * engine.kv_cache.element_size())
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)

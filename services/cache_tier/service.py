@@ -32,6 +32,7 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv.events import KVEventPublisher
 from shared.kv.registry import available_transports, make_transport
 from shared.kv.store import RetentionPolicy, StoreConfig, TieredBlockStore
+from shared.kv.store.dram_reserve import reserve_heap
 from shared.kv.transport_choice import common_transport
 from shared.metrics.cache_tier import CacheTierMetrics
 from shared.metrics.server import MetricsServer
@@ -231,4 +232,7 @@ class CacheTierService(Service):
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(CacheTierConfig, argv if argv is not None else sys.argv[1:])
+    if config.reserve_dram and config.dram_mb:   # before any thread or event loop: see dram_reserve
+        done = reserve_heap(config.dram_mb << 20)
+        logger.info("%s: DRAM budget reserved: %d MiB in %.1f s", config.worker_id, done.reserved >> 20, done.seconds)
     sys.exit(asyncio.run(CacheTierService(config).run_forever()))

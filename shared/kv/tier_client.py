@@ -86,6 +86,16 @@ class TierClient:
             logger.warning("%s: cache tier %s has not heartbeated; pulls and write-backs wait for it",
                            self.worker_id, self.tier_id)
 
+    async def warm_staging(self, block_bytes: int, blocks: int = 8) -> int:
+        """Pool staging for every write-back the queue can hold (``blocks`` blocks each; larger ones make their own
+        segment once), so the first burst of write-backs does not create shared memory on the serving path.
+        Only for a tier reached through ``shm`` (same host, heartbeat seen); returns the segments pooled."""
+        name = self._transport() if self._tier is not None else None
+        warm = getattr(self.transports.get(name), "warm", None)
+        if warm is None:
+            return 0
+        return await warm(blocks * block_bytes, self._queue.maxsize + 1)
+
     async def _on_heartbeat(self, msg) -> None:
         with contextlib.suppress(Exception):
             report = protocol.decode(msg.data, protocol.LoadReport)

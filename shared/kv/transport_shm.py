@@ -149,11 +149,16 @@ class ShmTransport(KVTransport):
                 "free_bytes": sum(s.capacity for s in free),
                 "staged_capacity": sum(s.capacity for s, _ in self._staged.values())}
 
-    def warm(self, nbytes: int, count: int = 1) -> None:
-        """Pre-create ``count`` free segments able to hold ``nbytes`` (e.g. at worker start)."""
+    async def warm(self, nbytes: int, count: int = 1) -> int:
+        """Pool ``count`` more free segments able to hold ``nbytes`` (made, and their pages touched, on a thread),
+        so the first transfers of that size do not create them; returns how many were pooled (within
+        ``max_pool_bytes``)."""
         cap = size_class(nbytes, self.min_segment_bytes)
-        for _ in range(count):
-            self._put_free(_Segment(cap))
+        segments = await asyncio.to_thread(lambda: [_Segment(cap) for _ in range(count)])
+        before = sum(len(segs) for segs in self._free.values())
+        for seg in segments:
+            self._put_free(seg)
+        return sum(len(segs) for segs in self._free.values()) - before
 
     async def _take_segment(self, nbytes: int) -> _Segment:
         cap = size_class(nbytes, self.min_segment_bytes)

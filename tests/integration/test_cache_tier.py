@@ -87,6 +87,21 @@ async def test_a_local_prefill_writes_back_only_the_blocks_it_computed(nats_serv
         assert tier.counters.blocks_written - first == (len(PROMPT) + MAX_TOKENS - 1) // 8 - 9, tier.stats()
 
 
+async def test_write_back_staging_is_pooled_at_start(nats_server, folder, expected, tmp_path):
+    """A worker beside its tier (shm) pools a segment for every write-back its queue can hold before it serves,
+    so write-backs take pooled shared memory instead of creating (and faulting in) segments while serving."""
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1, tier_dir=tmp_path) as cluster:
+        worker = cluster.workers[0]
+        shm = worker.transports["shm"]
+        pooled = worker.config.tier_write_queue + 1
+        assert shm.pool_stats()["free_segments"] == pooled
+        tokens, _, _ = await generate_once(nats_server.url, request(prefill_mode="local"))
+        assert tokens == expected and await wait_until(lambda: worker.tier.counters.writes >= 1)
+        await asyncio.sleep(0.2)
+        stats = shm.pool_stats()
+        assert stats["free_segments"] + stats["staged"] == pooled, stats   # no segment made for the write-back
+
+
 async def test_tenants_never_share_tier_blocks(nats_server, folder, expected, tmp_path):
     async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
         await generate_once(nats_server.url, request(cache_salt="tenant-a"))

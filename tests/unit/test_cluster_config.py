@@ -128,3 +128,20 @@ def test_a_node_without_peers_runs_a_standalone_server():
     args.join = ""
     spec = cli_node.node_spec(args)
     assert spec.nats_cluster is None and spec.nats_peers == [] and spec.registry_replicas == 1
+
+
+def test_up_and_node_reserve_the_tier_dram_and_size_the_kv_pool_like_the_engine():
+    """``up``/``node`` fault the tiers' DRAM in at start unless told not to, and give each worker the engine's
+    1 GiB KV pool (256 MiB preempted a 64-request burst); the tier service itself reserves only when asked."""
+    from services import cli_up
+    from services.cli import build_parser
+    from shared.config import CacheTierConfig
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up"]), print)
+    assert spec.cache_tier_reserve_dram and spec.cache_tier_dram_mb == 1024 and spec.kv_cache_mb == 1024
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--no-tier-reserve", "--tier-dram-mb", "64"]),
+                                 print)
+    assert not spec.cache_tier_reserve_dram and spec.cache_tier_dram_mb == 64
+    assert cli_node.node_spec(node_args()).cache_tier_reserve_dram
+    assert not load_config(CacheTierConfig, []).reserve_dram
+    assert load_config(CacheTierConfig, ["--reserve-dram", str(True)]).reserve_dram   # as the launcher passes it

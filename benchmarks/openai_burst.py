@@ -5,7 +5,7 @@ own (as vLLM's benchmark client). Side by side with the in-process engine on the
 
 Reported per prompt set and server: requests ok / errors, output tokens/s over the burst's wall time, TTFT and
 TPOT p50/p99 (client-side: first streamed token; mean gap between later tokens), and the ratio of tokens/s to
-the in-process engine's.
+the in-process engine's; for each launched layout, every process's user+system CPU seconds during the burst.
 
     python -m benchmarks.openai_burst --url http://127.0.0.1:8000          # a running server (vllm serve too)
     python -m benchmarks.openai_burst --engine --up "--prefill 0 --cache-tier 0" --up ""   # launches them here
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shlex
 import time
 
@@ -108,8 +109,22 @@ def engine_burst(prompts: list[list[int]], max_tokens: int) -> dict:
             "ttft": list(first.values()), "tpot": tpot}
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """(user, system) CPU seconds each process has used so far (Linux /proc; a missing process is left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) / tick, int(fields[12]) / tick)    # utime, stime
+    return out
+
+
 async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run the burst, stop."""
+    """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run the burst, stop.
+    ``cpu``: each process's (user, system) CPU seconds during the burst (the served path's breakdown)."""
     from services import cli_up
     from services.cli import build_parser
     from shared.launcher import Cluster
@@ -120,7 +135,14 @@ async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dic
     try:
         await cluster.start()
         await burst(cluster.http_url, prompts[:1], 4, cli_up.first_key(spec.api_keys))
-        return await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys))
+        pids = {name: proc.pid for name, proc in cluster.procs.items()}
+        if cluster.server is not None:
+            pids["nats-server"] = cluster.server.proc.pid
+        before = cpu_seconds(pids)
+        result = await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys))
+        after = cpu_seconds(pids)
+        result["cpu"] = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in after if n in before}
+        return result
     finally:
         await asyncio.to_thread(cluster.stop)
 
@@ -162,6 +184,10 @@ def main() -> None:
         print("-" * len(hdr))
         for label, r in results.items():
             print(show(label, r, base))
+        for label, r in results.items():
+            if r.get("cpu"):
+                print(f"CPU during the burst ({r['wall']:.1f} s wall, {os.cpu_count()} cores), {label}: "
+                      + ", ".join(f"{n} {u:.1f}+{s:.1f} s" for n, (u, s) in sorted(r["cpu"].items())))
 
 
 if __name__ == "__main__":

@@ -178,12 +178,12 @@ class Cluster:
             log.rename(self.log_dir / f"router.log.{n}")
         self._spawn(self.router_name, "services.router", self.router_args(), 1, "router")
 
-    def spawn_router(self, name: str) -> str:
-        """Start another router (its own id ``name``, the same flags, no HTTP port): routers share client requests
-        through their NATS queue group. Returns ``name``."""
+    def spawn_router(self, name: str, http_port: int = -1) -> str:
+        """Start another router (its own id ``name``, the same flags, its own HTTP port: -1 none): routers share
+        client requests through their NATS queue group. Returns ``name``."""
         args = self.router_args()
         args[:len(self._common_args(self.router_name))] = self._common_args(name)
-        args[args.index("--http-port") + 1] = "-1"
+        args[args.index("--http-port") + 1] = str(http_port)
         self._spawn(name, "services.router", args, 1, "router")
         return name
 

@@ -203,18 +203,23 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     prefix_out = prefix_out.contiguous();
     prefix_lse = prefix_lse.contiguous();
   }
-#define DEEPINFER_CALL(T, DC) decode_kernel<T, T, DC>(q.data_ptr<T>(), k_cache.data_ptr<T>(), \
+// T: the stored dtype; A: the accumulator (bfloat16 rows are widened to float on load, results rounded once)
+#define DEEPINFER_CALL(T, A, DC) decode_kernel<T, A, DC>(q.data_ptr<T>(), k_cache.data_ptr<T>(), \
       v_cache.data_ptr<T>(), bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(), B, H, KVH, D, BS, \
-      bt.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), T(scale), window, \
+      bt.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), A(scale), window, \
       cascade ? starts.data_ptr<int32_t>() : nullptr, cascade ? prefix_out.data_ptr<T>() : nullptr, \
       cascade ? prefix_lse.data_ptr<T>() : nullptr)
   if (q.scalar_type() == torch::kDouble) {
-    DEEPINFER_CALL(double, 0);
+    DEEPINFER_CALL(double, double, 0);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    if (D == 64) DEEPINFER_CALL(at::BFloat16, float, 64);
+    else if (D == 128) DEEPINFER_CALL(at::BFloat16, float, 128);
+    else DEEPINFER_CALL(at::BFloat16, float, 0);
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat, "cpu paged_decode supports float32 and float64");
-    if (D == 64) DEEPINFER_CALL(float, 64);
-    else if (D == 128) DEEPINFER_CALL(float, 128);
-    else DEEPINFER_CALL(float, 0);
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "cpu paged_decode supports float32, bfloat16 and float64");
+    if (D == 64) DEEPINFER_CALL(float, float, 64);
+    else if (D == 128) DEEPINFER_CALL(float, float, 128);
+    else DEEPINFER_CALL(float, float, 0);
   }
   return out;
 }

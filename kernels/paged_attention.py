@@ -26,6 +26,8 @@ from kernels import cpu_paged_attention
 
 from kernels.triton_support import tl, triton, use_triton
 
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)   # what the C++ decode kernel takes
+
 
 def paged_decode_attention_reference(
     query, k_cache, v_cache, block_tables, context_lens, scale,
@@ -157,10 +159,10 @@ def paged_decode_attention(
     sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Dispatch: Triton on CUDA tensors (or DEEPINFER_FORCE_TRITON=1); on CPU the C++ kernel for
-    float32/float64 when it could be built, else the torch reference."""
+    float32/bfloat16/float64 when it could be built, else the torch reference."""
     if use_triton(query):
         fn = paged_decode_attention_triton
-    elif query.dtype in (torch.float32, torch.float64) and cpu_paged_attention.load() is not None:
+    elif query.dtype in CPU_KERNEL_DTYPES and cpu_paged_attention.load() is not None:
         fn = cpu_paged_attention.paged_decode_attention_cpu
     else:
         fn = paged_decode_attention_reference

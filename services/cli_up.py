@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     up.add_argument("--model", default=None)
     up.add_argument("--served-model-name", default="", metavar="NAME",
                     help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
+    up.add_argument("--dtype", default="auto",
+                    help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16")
     up.add_argument("--kv-cache-mb", type=int, default=1024,
                     help="each engine worker's KV pool (the in-process engine's default; 256 preempted a 64-request burst)")
     up.add_argument("--local-prefill-threshold", type=int, default=64)
@@ -113,7 +115,7 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
         raise ValueError("the passwords file has no monitor password (python -m shared.nats_auth env --monitor)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
     return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
-                       served_model_name=args.served_model_name, kv_cache_mb=args.kv_cache_mb,
+                       served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,

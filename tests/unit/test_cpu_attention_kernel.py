@@ -1,6 +1,6 @@
 """The CPU paged decode attention extension against the float64 torch reference: partial blocks, blocks shared
 between sequences (a common prefix), sliding windows, head dims with and without a compiled specialisation,
-float32 (vectorised exp) and float64 (libm exp)."""
+float32 (vectorised exp), bfloat16 (float accumulation) and float64 (libm exp)."""
 import pytest
 import torch
 
@@ -38,6 +38,13 @@ def test_matches_the_float64_reference(D, BS, window):
     ref32 = paged_decode_attention_reference(q.float().double(), k.float().double(), v.float().double(), bt, lens,
                                              scale, window)
     torch.testing.assert_close(out32.double(), ref32, atol=2e-6, rtol=0)
+    # bfloat16 storage, float accumulation, one rounding of the result: within half a bfloat16 ulp of the exact
+    # attention over the same bfloat16 inputs (outputs here are below 4 in magnitude: ulp 2^-6)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out16 = cpu_paged_attention.paged_decode_attention_cpu(qb, kb, vb, bt, lens, scale, window)
+    ref16 = paged_decode_attention_reference(qb.double(), kb.double(), vb.double(), bt, lens, scale, window)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.double(), ref16, atol=2 ** -7 + 1e-5, rtol=2 ** -8)
 
 
 def test_peaked_softmax_over_a_long_shared_prefix():

@@ -26,7 +26,7 @@ from benchmarks.e2e_services import pct
 from benchmarks.engine_throughput import load_prompt_set
 from shared.launcher import Cluster, ClusterSpec
 
-KEYS = "k-stall=stall,k-calm=calm"
+KEYS = "key-stall=stall,key-calm=calm"
 
 
 async def calm_ttft(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> float | None:
@@ -34,7 +34,7 @@ async def calm_ttft(session: aiohttp.ClientSession, url: str, model: str, prompt
     body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body,
-                            headers={"Authorization": "Bearer k-calm"}) as resp:
+                            headers={"Authorization": "Bearer key-calm"}) as resp:
         if resp.status != 200:
             return None
         async for line in resp.content:
@@ -54,7 +54,7 @@ async def stalled(port: int, model: str, prompt: list[int], tokens: int, held: l
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
                        "stream": True}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer k-stall\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                 b"Authorization: Bearer key-stall\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
     status = int((await asyncio.wait_for(reader.readline(), 120)).split()[1])
     held.append(writer)                                               # held open, never read again
@@ -62,7 +62,7 @@ async def stalled(port: int, model: str, prompt: list[int], tokens: int, held: l
 
 
 async def in_flight(session: aiohttp.ClientSession, metrics_url: str) -> float:
-    async with session.get(metrics_url, headers={"Authorization": "Bearer k-calm"}) as resp:
+    async with session.get(metrics_url, headers={"Authorization": "Bearer key-calm"}) as resp:
         for line in (await resp.text()).splitlines():
             if line.startswith("deepinfer_router_inflight "):
                 return float(line.split()[-1])
@@ -79,7 +79,7 @@ async def run(args) -> None:
         await cluster.start()
         url, port = cluster.http_url, cluster.http_port
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            async with session.get(url + "/v1/models", headers={"Authorization": "Bearer k-calm"}) as resp:
+            async with session.get(url + "/v1/models", headers={"Authorization": "Bearer key-calm"}) as resp:
                 model = (await resp.json())["data"][0]["id"]
             idle = [await calm_ttft(session, url, model, prompts[i]) for i in range(args.calm)]
             t0 = time.perf_counter()

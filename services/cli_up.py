@@ -32,9 +32,9 @@ def add_parser(sub) -> None:
     up.add_argument("--served-model-name", default="", metavar="NAME",
                     help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
     up.add_argument("--dtype", default="auto",
-                    help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16")
+                    help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     up.add_argument("--kv-cache-mb", type=int, default=1024,
-                    help="each engine worker's KV pool (the in-process engine's default; 256 preempted a 64-request burst)")
+                    help="each engine worker's KV pool (the in-process engine's default; 256 preempted a burst)")
     up.add_argument("--local-prefill-threshold", type=int, default=64)
     up.add_argument("--policy", default="predictive",
                     help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")

@@ -4,10 +4,10 @@ raises ``DeepinferError`` for an error status or an ``{"error": ...}`` event, wi
 
 ``complete`` makes one non-streaming call against a list of routers' URLs and retries it on the next URL when
 the router it asked is gone (connection refused or dropped before a response: a router killed mid-request) or
-answers 503 (draining); a request that got an answer, even an error, is never sent twice. The retry generates again from the
-prompt: greedy and seeded outputs are the same, and the dead router's workers stop its copy within
-``router_dead_after_s`` (``shared/router_watch.py``). An HTTP *stream* cannot move between routers: its client
-sees the connection drop (the NATS client, ``shared/client.py``, resumes streams instead)."""
+answers 503 (draining); a request that got any other answer, even an error, is never sent twice. A retry
+generates again from the prompt: greedy and seeded outputs are the same, and the dead router's workers stop its
+copy within ``router_dead_after_s`` (``shared/router_watch.py``). An HTTP *stream* cannot move between routers:
+its client sees the connection drop (the NATS client, ``shared/client.py``, resumes streams instead)."""
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +59,9 @@ async def stream_events(session: aiohttp.ClientSession, url: str, body: dict,
 async def complete(session: aiohttp.ClientSession, urls: Sequence[str], path: str, body: dict, api_key: str = "",
                    attempts: int = 3, backoff_s: float = 0.5) -> dict:
     """POST non-streaming ``body`` to ``<url><path>`` for the first of ``urls`` that answers and return the JSON
-    response; on a router that is gone or unavailable (503: draining, or no worker known to it) try the next URL (cycling, up to
-    ``attempts`` tries in all, ``backoff_s`` apart). Any other error status raises ``DeepinferError`` at once."""
+    response; on a router that is gone or unavailable (503: draining, or no worker known to it) try the next URL
+    (cycling, up to ``attempts`` tries in all, ``backoff_s`` apart). Any other error status raises
+    ``DeepinferError`` at once."""
     if not urls or attempts < 1:
         raise ValueError("complete needs at least one URL and one attempt")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

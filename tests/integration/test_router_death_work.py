@@ -136,13 +136,13 @@ async def test_work_of_a_live_router_runs_to_the_end(nats_server, folder):
             inbox = nc.new_inbox()
             chunks, final = await collect(nc, inbox)
             t0 = time.monotonic()
-            await dispatch(nc, "decode", 400, inbox, router_id="router-z", router_instance="first")
+            await dispatch(nc, "decode", LONG // 2, inbox, router_id="router-z", router_instance="first")
             await asyncio.wait_for(final.wait(), 60)
             took = time.monotonic() - t0
             await router.stop()
         finally:
             await nc.close()
-    assert chunks[-1].final and chunks[-1].error is None and len(chunks) == 400
+    assert chunks[-1].final and chunks[-1].error is None and len(chunks) == LONG // 2
     assert took > DEAD_AFTER_S + 0.5, f"the stream ({took:.1f} s) must outlast the router timeout to show anything"
 
 

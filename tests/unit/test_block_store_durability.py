@@ -203,6 +203,8 @@ async def test_write_behind_reaches_ssd_without_lru_pressure_and_never_writes_no
         await wait_until(lambda: all(store._ssd.contains(b.block_hash) for b in chat), "chat blocks on SSD")
         assert await store.get(upgraded.block_hash, upgraded.token_ids, "agent") == upgraded   # now durable
         await wait_until(lambda: store._ssd.contains(upgraded.block_hash), "upgraded block on SSD")
+        # the writer counts a batch once its SSD write returned: the block can be visible on SSD a moment before
+        await wait_until(lambda: store.stats()["write_behind_blocks"] == 6, "the write-behind counters")
         s = store.stats()
         assert (s["dram_evictions"], s["dram_blocks"], s["ssd_blocks"]) == (0, 9, 6)
         assert (s["write_behind_blocks"], s["writebacks"], s["dropped_dram_only"]) == (6, 6, 0)

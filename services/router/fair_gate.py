@@ -8,6 +8,11 @@ and a freed slot goes to the waiting request with the smallest start tag (start-
 last dispatched, so every tenant with work waiting gets slots in proportion to its weight, whatever the others
 have queued, and a tenant that arrives while another floods is served next, not after the flood.
 
+Headroom for newcomers: the gate cannot preempt, so once one tenant's long streams fill the window, another
+tenant would wait for one of them to end (seconds to minutes). While two or more tenants have been active within
+``recent_s``, the last ``floor(window * headroom)`` slots (none for a window below 8) go only to a tenant below its weighted share of the
+window; a tenant alone (the plain API, a single-tenant deployment) uses the whole window.
+
 Invariants: a tenant holds at most ``tenant_max`` requests (dispatched + waiting; beyond: ``overloaded``, HTTP 429
 with Retry-After); dispatched never exceeds the window while it is known (None = unknown or unlimited: no
 waiting, the pre-gate behaviour, so a cluster without decode workers still fails fast with ``unavailable``);
@@ -20,12 +25,15 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable
 
 from shared.errors import DeepinferError, ErrorCode
 
 PUMP_S = 1.0  # waiters re-check the window this often (it grows when decode workers join)
+HEADROOM = 0.125  # share of the window kept for tenants below their share while several are active
+RECENT_S = 30.0   # a tenant counts as active this long after its last request arrived
 
 
 class TenantLimit(DeepinferError):
@@ -37,18 +45,22 @@ class TenantLimit(DeepinferError):
 
 class FairGate:
     def __init__(self, window: Callable[[], int | None], tenant_max: int,
-                 weights: dict[str, float] | None = None) -> None:
+                 weights: dict[str, float] | None = None, headroom: float = HEADROOM,
+                 recent_s: float = RECENT_S) -> None:
         self.window, self.tenant_max, self.weights = window, tenant_max, weights or {}
+        self.headroom, self.recent_s = headroom, recent_s
         self.dispatched = 0
+        self.dispatched_by: dict[str, int] = {}   # tenant -> its requests on workers now
         self.held: dict[str, int] = {}            # tenant -> its requests here (dispatched + waiting)
+        self._seen: dict[str, float] = {}         # tenant -> when its latest request arrived (monotonic)
         self._finish: dict[str, float] = {}       # tenant -> where its next request's tag starts
         self._now_tag = 0.0                       # start tag of the latest dispatched request
-        self._waiting: list[tuple[float, int, asyncio.Future]] = []  # heap of (tag, arrival, future)
+        self._waiting: list[tuple[float, int, str, asyncio.Future]] = []  # heap of (tag, arrival, tenant, fut)
         self._order = itertools.count()
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, _, fut in self._waiting if not fut.done())
+        return sum(1 for *_, fut in self._waiting if not fut.done())
 
     def _tag(self, tenant: str) -> float:
         """The request's start tag; the tenant's next one starts ``1 / weight`` later."""
@@ -56,19 +68,39 @@ class FairGate:
         self._finish[tenant] = start + 1.0 / self.weights.get(tenant, 1.0)
         return start
 
-    def _room(self) -> bool:
+    def _may_dispatch(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may take a slot now (the window, and its headroom for newcomers)."""
         window = self.window()
-        return window is None or self.dispatched < window
+        if window is None:
+            return True
+        if self.dispatched >= window:
+            return False
+        now = time.monotonic()
+        active = [t for t, seen in self._seen.items() if now - seen < self.recent_s or self.held.get(t)]
+        if len(active) < 2 or self.dispatched < window - math.floor(window * self.headroom):
+            return True
+        share = window * self.weights.get(tenant, 1.0) / sum(self.weights.get(t, 1.0) for t in active)
+        return self.dispatched_by.get(tenant, 0) < share
+
+    def _grant(self, tenant: str, tag: float) -> None:
+        self.dispatched += 1
+        self.dispatched_by[tenant] = self.dispatched_by.get(tenant, 0) + 1
+        self._now_tag = max(self._now_tag, tag)
 
     def _pump(self) -> None:
-        """Hand free slots to the waiters with the smallest tags."""
-        while self._waiting and self._room():
-            tag, _, fut = heapq.heappop(self._waiting)
-            if fut.done():  # cancelled or timed out while waiting
-                continue
-            self.dispatched += 1
-            self._now_tag = max(self._now_tag, tag)
+        """Hand free slots to the waiters with the smallest tags that may take them."""
+        self._waiting = [w for w in self._waiting if not w[3].done()]   # cancelled or timed out while waiting
+        heapq.heapify(self._waiting)
+        for entry in sorted(self._waiting):
+            if not self._may_dispatch(entry[2]):
+                if self.window() is not None and self.dispatched >= self.window():
+                    break
+                continue                                                 # headroom: a later tenant may fit
+            self._waiting.remove(entry)
+            tag, _, tenant, fut = entry
+            self._grant(tenant, tag)
             fut.set_result(None)
+        heapq.heapify(self._waiting)
 
     @contextlib.asynccontextmanager
     async def slot(self, tenant: str, deadline: float):
@@ -79,28 +111,41 @@ class FairGate:
             raise TenantLimit(f"tenant {tenant or '(plain API)'} has {held} requests in flight (limit "
                               f"{self.tenant_max}); retry later")
         self.held[tenant] = held + 1
+        self._seen[tenant] = time.monotonic()
         granted = False
         try:
             tag = self._tag(tenant)
-            if not self._waiting and self._room():
-                self.dispatched += 1
-                self._now_tag = max(self._now_tag, tag)
+            if not self._waiting and self._may_dispatch(tenant):
+                self._grant(tenant, tag)
                 granted = True
             else:
-                granted = await self._wait(tag, deadline)
+                granted = await self._wait(tenant, tag, deadline)
             yield
         finally:
             if granted:
-                self.dispatched -= 1
+                self._release(tenant)
             self.held[tenant] -= 1
             if not self.held[tenant]:
                 del self.held[tenant]
                 self._finish.pop(tenant, None)
+            self._forget_idle()
             self._pump()
 
-    async def _wait(self, tag: float, deadline: float) -> bool:
+    def _release(self, tenant: str) -> None:
+        self.dispatched -= 1
+        self.dispatched_by[tenant] -= 1
+        if not self.dispatched_by[tenant]:
+            del self.dispatched_by[tenant]
+
+    def _forget_idle(self) -> None:
+        """Drop tenants neither holding requests nor seen within ``recent_s`` (bounds ``_seen``)."""
+        now = time.monotonic()
+        for t in [t for t, seen in self._seen.items() if now - seen >= self.recent_s and not self.held.get(t)]:
+            del self._seen[t]
+
+    async def _wait(self, tenant: str, tag: float, deadline: float) -> bool:
         fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (tag, next(self._order), fut))
+        heapq.heappush(self._waiting, (tag, next(self._order), tenant, fut))
         try:
             while not fut.done():
                 self._pump()
@@ -113,7 +158,7 @@ class FairGate:
             return True
         except BaseException:
             if fut.done() and not fut.cancelled():  # granted in the same instant: give the slot back
-                self.dispatched -= 1
+                self._release(tenant)
             else:
                 fut.cancel()
             raise

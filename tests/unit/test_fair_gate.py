@@ -59,6 +59,39 @@ async def test_a_tenant_arriving_during_a_flood_is_served_next_not_after_it():
     assert gate.dispatched == 0 and gate.held == {} and gate.num_waiting == 0
 
 
+async def test_headroom_keeps_slots_for_a_second_tenant_while_it_is_active():
+    """Alone, a tenant fills the window; once another is active, the last floor(16 / 8) = 2 slots wait for a
+    tenant below its share, so the newcomer's later requests start at once, not after a stream ends; when the
+    newcomer has been idle for ``recent_s`` the first tenant fills the window again."""
+    gate = FairGate(lambda: 16, tenant_max=100, recent_s=0.3)
+    run = Run(gate)
+    for i in range(30):
+        run.start(f"a{i}", "acme")
+    await run.settle()
+    assert len(run.order) == 16                      # alone: the whole window
+    run.start("b0", "beta")
+    await run.settle()
+    assert "b0" not in run.order                     # the window is full: it waits for a slot
+    run.release["a0"].set()
+    await run.settle()
+    assert run.order[16] == "b0"
+    for name in ("a1", "a2"):
+        run.release[name].set()
+        await run.settle()
+    assert len(run.order) == 17 and gate.dispatched == 14    # two slots kept free for beta
+    run.start("b1", "beta")
+    await run.settle()
+    assert run.order[-1] == "b1" and gate.dispatched == 15   # started at once
+    for name in ("b0", "b1"):
+        run.release[name].set()
+    await asyncio.sleep(0.4)                         # beta idle past recent_s
+    run.release["a3"].set()
+    await run.settle()
+    assert gate.dispatched == 16 and run.order[-1].startswith("a")   # acme alone again: the whole window
+    await run.release_all()
+    assert gate.dispatched == 0 and gate.dispatched_by == {} and gate.held == {}
+
+
 async def test_weights_share_the_slots():
     gate = FairGate(lambda: 1, tenant_max=100, weights=parse_weights("heavy=2"))
     run = Run(gate)

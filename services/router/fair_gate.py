@@ -10,8 +10,9 @@ have queued, and a tenant that arrives while another floods is served next, not 
 
 Headroom for newcomers: the gate cannot preempt, so once one tenant's long streams fill the window, another
 tenant would wait for one of them to end (seconds to minutes). While two or more tenants have been active within
-``recent_s``, the last ``floor(window * headroom)`` slots (none for a window below 8) go only to a tenant below its weighted share of the
-window; a tenant alone (the plain API, a single-tenant deployment) uses the whole window.
+``recent_s``, the last ``floor(window * headroom)`` slots (none for a window below 8) go only to a tenant below
+its weighted share of the window; a tenant alone (the plain API, a single-tenant deployment) uses the whole
+window.
 
 Invariants: a tenant holds at most ``tenant_max`` requests (dispatched + waiting; beyond: ``overloaded``, HTTP 429
 with Retry-After); dispatched never exceeds the window while it is known (None = unknown or unlimited: no

@@ -142,6 +142,8 @@ def test_up_and_node_reserve_the_tier_dram_and_size_the_kv_pool_like_the_engine(
     spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--no-tier-reserve", "--tier-dram-mb", "64"]),
                                  print)
     assert not spec.cache_tier_reserve_dram and spec.cache_tier_dram_mb == 64
+    assert spec.dtype == "auto"
+    assert cli_up.spec_from_args(build_parser().parse_args(["up", "--dtype", "bfloat16"]), print).dtype == "bfloat16"
     assert cli_node.node_spec(node_args()).cache_tier_reserve_dram
     assert not load_config(CacheTierConfig, []).reserve_dram
     assert load_config(CacheTierConfig, ["--reserve-dram", str(True)]).reserve_dram   # as the launcher passes it

@@ -8,7 +8,7 @@ OpenMP threads lost.
 
 ``reserve_heap(nbytes)`` makes glibc keep what it is given: one malloc arena for every thread (so a block
 allocated on any thread reuses the same memory), blocks below 32 MiB from the heap rather than their own mmap,
-and no trimming of the heap's free top below ``nbytes``; then it allocates ``nbytes`` in 16 MiB pieces, writes
+and no trimming of the heap's free top; then it allocates ``nbytes`` in 16 MiB pieces, writes
 one byte per page, and frees them. The freed heap stays mapped and backed, and later payload allocations are
 carved from it without faults. The process's resident memory holds the budget from then on, as a buffer pool
 does. Elsewhere than glibc it does nothing (``reserved`` is 0). It never raises: a reservation that cannot be
@@ -51,19 +51,20 @@ def _glibc():
     return libc
 
 
-def keep_heap(nbytes: int) -> bool:
-    """Configure glibc to keep ``nbytes`` of freed heap; call before other threads start. False if not glibc."""
+def keep_heap() -> bool:
+    """Configure glibc to keep freed heap (never trimmed); call before other threads start. False if not glibc."""
     libc = _glibc()
     if libc is None:
         return False
     ok = libc.mallopt(M_ARENA_MAX, 1) and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    return bool(ok and libc.mallopt(M_TRIM_THRESHOLD, min(nbytes + MMAP_THRESHOLD, (1 << 62))))
+    return bool(ok and libc.mallopt(M_TRIM_THRESHOLD, -1))   # -1: never trim (mallopt's int cannot hold > 2 GiB)
 
 
 def reserve_heap(nbytes: int) -> Reservation:
-    """Fault in ``nbytes`` of heap and free it, kept (``keep_heap``); blocking, run it on a thread."""
+    """Fault in ``nbytes`` of heap and free it, kept (``keep_heap``). Blocking: call it on the thread that will
+    allocate the blocks (the cache tier's main thread, before its event loop starts)."""
     out = Reservation()
-    if nbytes <= 0 or not keep_heap(nbytes):
+    if nbytes <= 0 or not keep_heap():
         return out
     t0 = time.perf_counter()
     pieces = []

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import math
 import time
@@ -56,7 +55,7 @@ class FairGate:
         self._seen: dict[str, float] = {}         # tenant -> when its latest request arrived (monotonic)
         self._finish: dict[str, float] = {}       # tenant -> where its next request's tag starts
         self._now_tag = 0.0                       # start tag of the latest dispatched request
-        self._waiting: list[tuple[float, int, str, asyncio.Future]] = []  # heap of (tag, arrival, tenant, fut)
+        self._waiting: list[tuple[float, int, str, asyncio.Future]] = []  # (tag, arrival, tenant, fut)
         self._order = itertools.count()
 
     @property
@@ -90,18 +89,18 @@ class FairGate:
 
     def _pump(self) -> None:
         """Hand free slots to the waiters with the smallest tags that may take them."""
-        self._waiting = [w for w in self._waiting if not w[3].done()]   # cancelled or timed out while waiting
-        heapq.heapify(self._waiting)
-        for entry in sorted(self._waiting):
-            if not self._may_dispatch(entry[2]):
-                if self.window() is not None and self.dispatched >= self.window():
-                    break
-                continue                                                 # headroom: a later tenant may fit
-            self._waiting.remove(entry)
-            tag, _, tenant, fut = entry
-            self._grant(tenant, tag)
-            fut.set_result(None)
-        heapq.heapify(self._waiting)
+        waiting = sorted(w for w in self._waiting if not w[3].done())   # drops the cancelled and timed out
+        self._waiting = []
+        for i, (tag, order, tenant, fut) in enumerate(waiting):
+            window = self.window()
+            if window is not None and self.dispatched >= window:
+                self._waiting += waiting[i:]
+                break
+            if self._may_dispatch(tenant):
+                self._grant(tenant, tag)
+                fut.set_result(None)
+            else:
+                self._waiting.append((tag, order, tenant, fut))            # headroom: a later tenant may fit
 
     @contextlib.asynccontextmanager
     async def slot(self, tenant: str, deadline: float):
@@ -146,7 +145,7 @@ class FairGate:
 
     async def _wait(self, tenant: str, tag: float, deadline: float) -> bool:
         fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (tag, next(self._order), tenant, fut))
+        self._waiting.append((tag, next(self._order), tenant, fut))
         try:
             while not fut.done():
                 self._pump()

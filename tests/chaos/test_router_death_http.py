@@ -14,21 +14,14 @@ import time
 import aiohttp
 import pytest
 
-from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.http_client import complete
 from shared.nats_server import free_port
-from tests.chaos.harness import chaos_cluster
+from tests.chaos.router_death import router_stats, slow_tiny_model, two_router_cluster
 from tests.integration.conftest import connect, start_nats_server
-from tests.model_factory import write_tiny_hf_folder
 
 CALLS = 4
 MAX_TOKENS = 800   # several seconds per call: the kill lands mid-generation
-
-
-async def router_stats(nc, router: str) -> dict:
-    reply = await nc.request(subjects.stats(router), protocol.encode(protocol.StatsRequest()), timeout=5)
-    return protocol.decode(reply.data, protocol.StatsReply).stats
 
 
 def body(prompt: list[int]) -> dict:
@@ -38,23 +31,15 @@ def body(prompt: list[int]) -> dict:
 
 @pytest.mark.timeout(240)
 async def test_non_streaming_calls_of_a_killed_router_are_answered_by_another(tmp_path):
-    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=4, max_position_embeddings=1024, num_layers=6,
-                                  hidden=192, ffn=384)
+    folder = slow_tiny_model(tmp_path / "tiny")
     prompts = [[10 + i, 20, 30 + i, 40, 50, 60 + i, 70, 80] for i in range(CALLS)]
     server = start_nats_server()
-    cluster = chaos_cluster(server, folder, prefill=0, decode=1, drain_grace_s="2")
     port_b = free_port()
     try:
-        await cluster.start()
-        await cluster.wait_healthy([cluster.spawn_router("router-b", port_b)], timeout=90)
+        cluster = await two_router_cluster(server, folder, port_b)
         url_a, url_b = cluster.http_url, f"http://127.0.0.1:{port_b}"
-        model_id = None
         nc = await connect(server.url)
         try:
-            deadline = time.monotonic() + 30
-            while not (await router_stats(nc, "router-b"))["workers"].get("decode-0", {}).get("alive"):
-                assert time.monotonic() < deadline, "router-b never saw decode-0"
-                await asyncio.sleep(0.2)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
                 async with session.get(url_b + "/v1/models") as resp:
                     model_id = (await resp.json())["data"][0]["id"]
@@ -75,8 +60,8 @@ async def test_non_streaming_calls_of_a_killed_router_are_answered_by_another(tm
                                    attempts=2, backoff_s=0.1)
         finally:
             await nc.close()
+            cluster.stop()
     finally:
-        cluster.stop()
         server.stop()
     for got, twin in zip(answers, twins):
         assert got["usage"]["completion_tokens"] == MAX_TOKENS

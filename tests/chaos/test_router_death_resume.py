@@ -12,19 +12,14 @@ import time
 
 import pytest
 
-from shared import protocol, subjects
+from shared import protocol
 from shared.client import generate_stream
-from tests.chaos.harness import chaos_cluster, reference
+from tests.chaos.harness import reference
+from tests.chaos.router_death import router_stats, slow_tiny_model, two_router_cluster
 from tests.integration.conftest import connect, start_nats_server
-from tests.model_factory import write_tiny_hf_folder
 
 STREAMS = 8
 MAX_TOKENS = 160
-
-
-async def router_stats(nc, router: str) -> dict:
-    reply = await nc.request(subjects.stats(router), protocol.encode(protocol.StatsRequest()), timeout=5)
-    return protocol.decode(reply.data, protocol.StatsReply).stats
 
 
 async def in_flight(nc, router: str) -> int:
@@ -33,22 +28,14 @@ async def in_flight(nc, router: str) -> int:
 
 @pytest.mark.timeout(180)
 async def test_streams_of_a_killed_router_continue_through_another(tmp_path):
-    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=4, max_position_embeddings=1024, num_layers=6,
-                                  hidden=192, ffn=384)
+    folder = slow_tiny_model(tmp_path / "tiny")
     prompts = [[10 + i, 20, 30 + i, 40, 50, 60 + i, 70, 80] for i in range(STREAMS)]
     server = start_nats_server()
-    cluster = chaos_cluster(server, folder, prefill=0, decode=1, drain_grace_s="2")
     results: dict[int, dict] = {}
     try:
-        await cluster.start()
-        await cluster.wait_healthy([cluster.spawn_router("router-b")], timeout=90)
+        cluster = await two_router_cluster(server, folder)
         nc = await connect(server.url)
         try:
-            deadline = time.monotonic() + 30
-            while not (await router_stats(nc, "router-b"))["workers"].get("decode-0", {}).get("alive"):
-                assert time.monotonic() < deadline, "router-b never saw decode-0"
-                await asyncio.sleep(0.2)
-
             async def stream(i: int) -> None:
                 req = protocol.GenerateRequest(request_id=f"s{i}", prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS,
                                                temperature=0.0, ignore_eos=True, prefill_mode="local")
@@ -72,8 +59,8 @@ async def test_streams_of_a_killed_router_continue_through_another(tmp_path):
             took = time.monotonic() - t_kill
         finally:
             await nc.close()
+            cluster.stop()
     finally:
-        cluster.stop()
         server.stop()
     expected = reference(folder, prompts, [MAX_TOKENS] * STREAMS)
     resumed = [i for i, r in results.items() if r["usage"].get("resumed")]

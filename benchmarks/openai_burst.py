@@ -115,7 +115,8 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
     out = {}
     for name, pid in pids.items():
         try:
-            fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
         except OSError:
             continue
         out[name] = (int(fields[11]) / tick, int(fields[12]) / tick)    # utime, stime

@@ -155,10 +155,10 @@ class ShmTransport(KVTransport):
         ``max_pool_bytes``)."""
         cap = size_class(nbytes, self.min_segment_bytes)
         segments = await asyncio.to_thread(lambda: [_Segment(cap) for _ in range(count)])
-        before = sum(len(segs) for segs in self._free.values())
+        before = self.pool_stats()["free_segments"]
         for seg in segments:
             self._put_free(seg)
-        return sum(len(segs) for segs in self._free.values()) - before
+        return self.pool_stats()["free_segments"] - before
 
     async def _take_segment(self, nbytes: int) -> _Segment:
         cap = size_class(nbytes, self.min_segment_bytes)

@@ -10,7 +10,7 @@ from shared import protocol
 from shared.client import generate
 from shared.errors import DeepinferError, ErrorCode
 from tests.integration.conftest import connect
-from tests.integration.services_harness import InProcessCluster
+from tests.integration.services_harness import InProcessCluster, wait_until
 from tests.model_factory import write_tiny_hf_folder
 
 FLOOD = 24
@@ -28,17 +28,19 @@ def request(i: int, max_tokens: int) -> protocol.GenerateRequest:
                                     temperature=0.0, ignore_eos=True, prefill_mode="local")
 
 
-async def flood_then_one(url: str) -> tuple[int, int]:
-    """``flood`` sends FLOOD requests at once; once they are in, ``calm`` sends one. Returns how many flood
-    requests were still unfinished when the calm one arrived, and how many of those finished before it."""
+async def flood_then_one(url: str, router) -> tuple[int, int]:
+    """``flood`` sends FLOOD requests at once; once the router holds them all, ``calm`` sends one. Returns how
+    many flood requests were still unfinished when the calm one arrived, and how many of those finished before
+    it. (Waiting on the router, not a fixed sleep: on a fast host a third of the flood finished within 0.3 s.)"""
     nc = await connect(url)
     done: list[str] = []
     try:
         async def one(name: str, tenant: str, req: protocol.GenerateRequest) -> None:
             await generate(nc, req, tenant=tenant)
             done.append(name)
-        flood = [asyncio.create_task(one(f"flood-{i}", "flood", request(i, 48))) for i in range(FLOOD)]
-        await asyncio.sleep(0.3)  # the flood is in: SEQS run, the rest wait (at the router, or in the engine)
+        flood = [asyncio.create_task(one(f"flood-{i}", "flood", request(i, 96))) for i in range(FLOOD)]
+        # the flood is in: SEQS run, the rest wait (at the router, or in the engine)
+        assert await wait_until(lambda: len(router.relays) + len(done) >= FLOOD)
         pending = FLOOD - len(done)
         await one("calm", "calm", request(99, 4))
         overtook = done.index("calm") - (FLOOD - pending)
@@ -52,7 +54,7 @@ async def flood_then_one(url: str) -> tuple[int, int]:
 async def test_a_tenant_arriving_during_a_flood_is_served_next(nats_server, folder, window):
     async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1, max_num_seqs=SEQS,
                                 kv_cache_mb=16, router_kw={"dispatch_window": window}) as cluster:
-        pending, overtook = await flood_then_one(nats_server.url)
+        pending, overtook = await flood_then_one(nats_server.url, cluster.router)
         assert cluster.router.gate.dispatched == 0 and cluster.router.gate.held == {}
     assert pending >= FLOOD // 2, "the flood must still be queued when the calm request arrives"
     if window == 0:

@@ -8,9 +8,11 @@ server it started — no orphan processes. CPU threads are split between engine 
 never oversubscribed.
 
 Authentication (``ClusterSpec.auth``, embedded server only): fresh random passwords per run, one NATS user per
-role with the permissions of ``shared/nats_auth.py``; each child gets its role's credentials in its
-environment (``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``, never argv, so ``ps`` does not show them),
-also when respawned. The launcher's own health check connects as the read-only ``monitor``; clients use
+role with the permissions of ``shared/nats_auth.py``; each child gets its own instance user
+(``<role>.<service id>``: heartbeats, registry entry and cache puts only under its id, work addressed to it
+only) in its environment (``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``, never argv, so ``ps`` does not
+show them), the same when respawned; a service started after the server (``spawn_router``, a new worker) adds
+its user by a config reload. On a server the launcher did not start (``nats_url``) children get role users. The launcher's own health check connects as the read-only ``monitor``; clients use
 ``client_credentials`` / ``connect_client(tenant)``.
 """
 from __future__ import annotations
@@ -90,10 +92,25 @@ class Cluster:
         """A connection as the ``client`` role, or as tenant ``tenant``'s client (``client-<tenant>``)."""
         return await self.connect_as(nats_auth.tenant_user(tenant) if tenant else "client")
 
+    def _instance_credentials(self, role: str, name: str) -> tuple[str, str]:
+        """Service ``name``'s own NATS user (added to the running server if new); its role's user on a server
+        this launcher did not start; ("", "") without auth."""
+        if not self.passwords or (self.server is None and self.nats_url):
+            return self.credentials(role)
+        user = nats_auth.instance_user(role, name)
+        if user not in self.passwords:
+            self.passwords[user] = nats_auth.new_password()
+            if self.server is not None:
+                self.server.set_users(self._server_users())
+        return self.credentials(user)
+
+    def _server_users(self) -> list:
+        return nats_auth.users({u: p for u, p in self.passwords.items() if u != ROUTE_USER}, self.spec.tenants)
+
     def _spawn(self, name: str, module: str, args: list[str], threads: int, role: str) -> None:
         env = {**os.environ, **self.spec.extra_env, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        if self.passwords:  # the role's credentials, in the environment only (argv is world-readable)
-            env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"] = self.credentials(role)
+        if self.passwords:  # its own credentials, in the environment only (argv is world-readable)
+            env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"] = self._instance_credentials(role, name)
         env.pop("DEEPINFER_API_KEYS", None)
         if role == "router" and self.spec.api_keys:
             env["DEEPINFER_API_KEYS"] = self.spec.api_keys
@@ -149,8 +166,9 @@ class Cluster:
     async def start(self) -> None:
         s = self.spec
         if not self.nats_url:
-            users = nats_auth.users({u: p for u, p in self.passwords.items() if u != ROUTE_USER}, s.tenants)
-            self.server = start_embedded_server(host=s.nats_host, port=s.nats_port, users=users,
+            for role, name in self._planned_services():   # known now: no reload at start
+                self.passwords[nats_auth.instance_user(role, name)] = nats_auth.new_password()
+            self.server = start_embedded_server(host=s.nats_host, port=s.nats_port, users=self._server_users(),
                                                 cluster=s.nats_cluster, store_dir=s.nats_store_dir or None)
             self.nats_url = ",".join([self.server.url, *s.nats_peers])
         names = []
@@ -163,6 +181,18 @@ class Cluster:
         if s.draft not in ("", "local"):
             names += [self.spawn_draft(i) for i in range(int(s.draft))]
         await self.wait_healthy(names, s.start_timeout_s)
+
+    def _planned_services(self) -> list[tuple[str, str]]:
+        """(role, service id) of every service ``start`` spawns (none without auth)."""
+        s = self.spec
+        if not self.passwords:
+            return []
+        drafts = int(s.draft) if s.draft not in ("", "local") else 0
+        return [*([("router", self.router_name)] if s.router else []),
+                *(("cache-tier", self.service_id("cache", i)) for i in range(s.cache_tier)),
+                *(("prefill", self.service_id("prefill", i)) for i in range(s.prefill)),
+                *(("decode", self.service_id("decode", i)) for i in range(s.decode)),
+                *(("draft", self.service_id("draft", i)) for i in range(drafts))]
 
     def respawn_router(self) -> None:
         """Start the router again under the same id and flags after its process exited (e.g. ``kill("router")``);

@@ -4,6 +4,12 @@ One NATS user per service role (``ROLES``), a read-only ``monitor`` (the launche
 status``) and optional tenant clients ``client-<tenant>``. Every service connects with
 ``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
 
+Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have
+their role's permissions, except that they may publish heartbeats, registry entries and cache puts only under
+their own id (``load(<instance>, <role>)``, ``$KV.<registry>.<instance>``, ``cache_puts_by(<instance>)``). The
+launcher gives each service it starts its own instance user; a role user (compose, Kubernetes, ``deepinfer
+serve``) is trusted for every id of its role.
+
 Invariants (tests/unit/test_nats_auth.py, tests/integration/test_nats_permissions.py):
 - Every subject and pattern below comes from ``shared/subjects.py``: the permissions cannot drift from the
   subjects the services use. ``compose/nats.conf`` is ``render_compose_config(monitor=True)`` verbatim (a test
@@ -36,6 +42,7 @@ ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
 TENANT_PREFIX = "client-"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs
+INSTANCE_SEP = "."  # <role>.<instance>: two subject tokens (its inbox is _INBOX.<role>.<instance>.>)
 
 # Compose (compose/docker-compose.yml): the server listens here, the store is a volume, monitoring on 8222.
 COMPOSE_LISTEN = "0.0.0.0:4222"
@@ -76,6 +83,19 @@ def tenant_of_user(user: str) -> str | None:
     return tenant or None
 
 
+def instance_user(role: str, instance: str) -> str:
+    """The NATS user of service ``instance`` (its worker id) of ``role`` (one of ``ROLES`` but ``client``)."""
+    if role not in HEARTBEAT_ROLE:
+        raise ValueError(f"instance users are for service roles {sorted(HEARTBEAT_ROLE)}, not {role!r}")
+    return role + INSTANCE_SEP + _check_name(instance, "instance")
+
+
+def _check_user(name: str) -> str:
+    """A plain user name, or an instance user's ``<role>.<instance>``."""
+    role, dot, instance = name.partition(INSTANCE_SEP) if isinstance(name, str) else ("", "", "")
+    return instance_user(role, instance) if dot else _check_name(name, "user")
+
+
 def _check_name(name: str, what: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"{what} {name!r} must be non-empty letters, digits, '_' or '-'")
@@ -99,12 +119,29 @@ def _service(user: str, publish: Iterable[str], subscribe: Iterable[str]) -> Per
                        subscribe=(*subscribe, S.ctl_all("stats"), *own), allow_responses=True)
 
 
+def _instance(role: str, instance: str, tenants: Sequence[str]) -> Permissions:
+    """``role``'s permissions bound to ``instance``: it publishes heartbeats, its registry entry and cache puts
+    only under its own id, and hears only the work, control and cache subjects addressed to it."""
+    base, own = permissions(role, tenants), _own_inbox(instance_user(role, instance))[0]
+    pub = {S.load_role(HEARTBEAT_ROLE[role]): S.load(instance, HEARTBEAT_ROLE[role]), S.inbox_all(role): own,
+           S.REGISTRY_KV: S.REGISTRY_KV.removesuffix(">") + instance, S.cache_all("put"): S.cache_puts_by(instance)}
+    sub = {S.inbox_all(role): own, S.PREFILL_ALL: S.prefill(instance), S.DECODE_ALL: S.decode(instance),
+           S.cache_all("put"): S.cache_puts(instance),
+           **{S.cache_all(op): S.cache(op, instance) for op in S.CACHE_OPS if op != "put"},
+           **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats")}}
+    return Permissions(publish=tuple(pub.get(s, s) for s in base.publish),
+                       subscribe=tuple(sub.get(s, s) for s in base.subscribe), allow_responses=base.allow_responses)
+
+
 _CACHE_CLIENT = tuple(S.cache_all(op) for op in ("put", "get", "release"))  # a worker's tier client
 
 
 def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
     """Permissions of ``user``: a role of ``ROLES``, ``MONITOR`` or ``client-<tenant>``. ``tenants`` are the
     tenants configured on this server: the router may stream to their clients' inboxes."""
+    if INSTANCE_SEP in user:
+        role, _, instance = _check_user(user).partition(INSTANCE_SEP)
+        return _instance(role, instance, tenants)
     if user == "router":
         clients = ["client", *(tenant_user(t) for t in tenants)]
         return _service(user,
@@ -202,7 +239,7 @@ def _quote(text: str) -> str:
 
 
 def _render_user(user: NatsUser) -> list[str]:
-    _check_name(user.name, "user")
+    _check_user(user.name)
     if user.password_env:
         secret = "$" + _check_name(user.password_env, "password variable")
     elif user.password and _NAME.match(user.password):

@@ -12,6 +12,7 @@ Invariants:
 - ``max_payload`` is 8 MB by default (KV ``stream`` chunks are 1 MiB; headers and msgpack frames fit).
 - No authentication by default. ``users`` (``shared.nats_auth.NatsUser``s) turn it on: the config file, which
   then holds their passwords, is readable by its owner only; the command line names only that file.
+  ``set_users`` rewrites it and has the running server reload it (SIGHUP), returning once the server says so.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from shared.nats_cluster import NatsClusterNode
 log = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[EmbeddedNatsServer]" = weakref.WeakSet()
+_RELOADED = "Reloaded server configuration"  # what nats-server logs once a SIGHUP reload took effect
 
 
 def find_nats_server() -> str:
@@ -124,6 +127,29 @@ class EmbeddedNatsServer:
         self._kill()
         why = f"exited with code {rc}" if rc is not None else f"not accepting connections after {timeout:.1f} s"
         raise RuntimeError(f"nats-server on {self.url} {why}; log tail:\n{tail}")
+
+    def set_users(self, users: Sequence[NatsUser], timeout: float = 10.0) -> None:
+        """Replace the users (their passwords and permissions) of the running server: rewrite its config and
+        signal a reload; returns once the server logged the reload, ``RuntimeError`` after ``timeout``."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError("nats-server is not running")
+        if not users:
+            raise ValueError("a server started with users cannot drop authentication by a reload")
+        before = self._log_text().count(_RELOADED)
+        self.users = tuple(users)
+        self._write_config()
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while self._log_text().count(_RELOADED) <= before:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server did not reload its users; log tail:\n{self._log_tail()}")
+            time.sleep(0.02)
+
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _log_tail(self, n: int = 2000) -> str:
         try:

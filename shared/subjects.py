@@ -17,7 +17,10 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
 - ``di.v1.kvx.<transfer>``           ``stream`` KV transport: pulls of one transfer's payload chunks
 - ``di.v1.ctl.<service>.<op>``       control plane (status, drain, ...) of one service
 - ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
-- ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``put``, ``get``, ``release``, ``stats``
+- ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``get``, ``release``, ``stats``
+- ``di.v1.cache.put.<tier>.<writer>`` a put names its writer in the subject, so that NATS permissions bind it
+                                     to the credential (an instance user may publish only its own writer
+                                     token); the tier records the writer of every block it stores
 
 Wildcard patterns (``*_ALL``, ``ctl_all``, ``cache_all``), inboxes (``inbox_prefix(user)``) and the registry's
 JetStream subjects (``REGISTRY_KV``, ``REGISTRY_API``) exist for the per-role permissions in ``shared/nats_auth.py``.
@@ -165,10 +168,34 @@ CACHE_OPS = ("put", "get", "release", "stats")
 
 
 def cache(op: str, tier: str) -> str:
-    """Subject of operation ``op`` (one of ``CACHE_OPS``) of the cache tier ``tier`` (its service id)."""
-    if op not in CACHE_OPS:
-        raise ValueError(f"cache op must be one of {CACHE_OPS}, got {op!r}")
+    """Subject of operation ``op`` (one of ``CACHE_OPS`` but ``put``, which names its writer: ``cache_put``)
+    of the cache tier ``tier`` (its service id)."""
+    if op not in CACHE_OPS or op == "put":
+        raise ValueError(f"cache op must be one of {CACHE_OPS[1:]} (puts: cache_put), got {op!r}")
     return f"{PREFIX}.cache.{op}.{validate_token(tier, 'tier')}"
+
+
+def cache_put(tier: str, writer: str) -> str:
+    """Subject of a put by ``writer`` (the putting service's id) to the cache tier ``tier``."""
+    return f"{PREFIX}.cache.put.{validate_token(tier, 'tier')}.{validate_token(writer, 'writer')}"
+
+
+def cache_puts(tier: str) -> str:
+    """Every put to the cache tier ``tier`` (what it serves)."""
+    return f"{PREFIX}.cache.put.{validate_token(tier, 'tier')}.*"
+
+
+def cache_puts_by(writer: str) -> str:
+    """Every put by ``writer``, to any tier: what an instance's NATS user may publish."""
+    return f"{PREFIX}.cache.put.*.{validate_token(writer, 'writer')}"
+
+
+def cache_put_writer(subject: str) -> str:
+    """The writer named by a ``cache_put`` subject."""
+    parts = subject.split(".")
+    if len(parts) != 6 or ".".join(parts[:4]) != f"{PREFIX}.cache.put":
+        raise ValueError(f"not a cache put subject: {subject!r}")
+    return parts[5]
 
 
 def stats(service: str) -> str:
@@ -193,16 +220,20 @@ def ctl_all(op: str) -> str:
 
 
 def cache_all(op: str) -> str:
-    """Operation ``op`` (one of ``CACHE_OPS``) of every cache tier (``cache(op, <any tier>)``)."""
+    """Operation ``op`` (one of ``CACHE_OPS``) of every cache tier (``cache(op, <any tier>)``; puts: by any
+    writer)."""
     if op not in CACHE_OPS:
         raise ValueError(f"cache op must be one of {CACHE_OPS}, got {op!r}")
-    return f"{PREFIX}.cache.{op}.*"
+    return f"{PREFIX}.cache.put.*.*" if op == "put" else f"{PREFIX}.cache.{op}.*"
 
 
 def inbox_prefix(user: str) -> str:
     """The inbox prefix of every connection of NATS user ``user`` (``nats.connect(inbox_prefix=...)``): its
-    request replies and stream inboxes live under it, and nobody else may subscribe there."""
-    return f"{INBOX_ROOT}.{validate_token(user, 'user')}"
+    request replies and stream inboxes live under it, and nobody else may subscribe there. An instance user
+    ``<role>.<instance>`` has its inbox space inside its role's."""
+    if not isinstance(user, str) or user.count(".") > 1:
+        raise ValueError(f"user must be one token or <role>.<instance>, got {user!r:.60}")
+    return ".".join([INBOX_ROOT, *(validate_token(part, "user") for part in user.split("."))])
 
 
 def inbox_all(user: str) -> str:

@@ -29,15 +29,15 @@ def check_put_handle(put: protocol.CachePut, max_block_bytes: int) -> None:
                              f"exceed the tier's max_block_bytes {max_block_bytes}")
 
 
-def to_blocks(put: protocol.CachePut, kv: torch.Tensor) -> list[StoredBlock]:
+def to_blocks(put: protocol.CachePut, kv: torch.Tensor, writer: str) -> list[StoredBlock]:
     """Split the fetched ``kv`` ([n, *block_shape]) into one ``StoredBlock`` per hash, each carrying its digest
-    and the put's model fingerprint (what a get must name to be served it)."""
+    and the put's model fingerprint (what a get must name to be served it) and its ``writer``."""
     flat = kv.reshape(len(put.block_hashes), -1).view(torch.uint8) if kv.dtype != torch.uint8 else \
         kv.reshape(len(put.block_hashes), -1)
     bs, digests = put.block_size, put.digests()
     return [StoredBlock(block_hash=h, token_ids=tuple(put.token_ids[i * bs:(i + 1) * bs]), dtype=put.dtype,
                         shape=tuple(put.block_shape), payload=flat[i].numpy().tobytes(), digest=digests[i],
-                        fingerprint=put.model_fingerprint)
+                        fingerprint=put.model_fingerprint, writer=writer)
             for i, h in enumerate(put.block_hashes)]
 
 

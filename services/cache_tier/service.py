@@ -1,9 +1,12 @@
 """Cache-tier service: one block store (DRAM in front of an SSD directory, ``shared/kv/store``) served over
 NATS on ``subjects.cache(op, tier_id)``, with its holdings published as KV events (tier ``cache_tier``).
 
-- ``put``: fetch the worker's staged KV through the named transport, store every block under its chained
-  hash with the request's retention class, reply ``Ack`` (the worker then frees its staging). The Ack means
-  in DRAM: a chat/agent block is on SSD within ``write_behind_s`` (it survives a SIGKILL from then on).
+- ``put`` (``subjects.cache_put(tier_id, writer)``): fetch the worker's staged KV through the named transport,
+  store every block under its chained hash with the request's retention class and its writer (the subject's,
+  which must equal the body's ``worker_id``: an instance's NATS user may publish only its own; kept on disk and
+  counted per writer in the ledger), reply ``Ack`` (the worker then frees its staging). A block already held
+  keeps its first writer's bytes. The Ack means in DRAM: a chat/agent block is on SSD within ``write_behind_s``
+  (it survives a SIGKILL from then on).
 - ``get``: the leading run of the asked blocks that the store holds (token ids, chained digest and model
   fingerprint compared, unexpired, the requester's layout), staged through a transport the worker offered;
   reply ``CacheGetReply`` naming the fingerprint served; the staging is freed on ``release`` or after
@@ -80,7 +83,7 @@ class CacheTierService(Service):
                                    pid=os.getpid(), transports=offered, block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info, heartbeat_s=c.heartbeat_s, registry_replicas=c.registry_replicas)
         rt = self.runtime
-        await rt.serve(subjects.cache("put", c.worker_id), self.on_put)
+        await rt.serve(subjects.cache_puts(c.worker_id), self.on_put)
         await rt.serve(subjects.cache("get", c.worker_id), self.on_get)
         await rt.serve(subjects.cache("release", c.worker_id), self.on_release, work=False)
         await rt.serve(subjects.cache("stats", c.worker_id), self.on_stats, work=False)
@@ -110,17 +113,20 @@ class CacheTierService(Service):
     async def on_put(self, msg) -> None:
         t0 = time.perf_counter()
         put = protocol.decode(msg.data, protocol.CachePut)
+        writer = subjects.cache_put_writer(msg.subject)  # NATS permissions bind it to the credential
+        if put.worker_id != writer:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"put by {put.worker_id!r:.40} sent as {writer!r}")
         self.store.config.retention.ttl(put.retention)               # unknown class: invalid_request
         transport = self.transports.get(put.transport)
         if transport is None:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {put.transport!r} not offered here")
         check_put_handle(put, self.store.config.max_block_bytes)
         kv = await transport.fetch(put.handle, timeout=self.config.fetch_timeout_s)   # [n, *block_shape]
-        blocks = to_blocks(put, kv)
+        blocks = to_blocks(put, kv, writer)
         self.metrics.transfer("put", put.transport, len(blocks))
         new = [b.block_hash for b in blocks if self.store.where(b.block_hash) is None]
         await self.store.put_many(blocks, put.retention)
-        self.ledger.record_put(put.tenant, put.retention, len(blocks), sum(len(b.payload) for b in blocks))
+        self.ledger.record_put(put.tenant, put.retention, len(blocks), sum(len(b.payload) for b in blocks), writer)
         fresh = [h for h in new if h not in self.announced]
         self.announced.update(fresh)
         if fresh:

@@ -205,7 +205,7 @@ class TierClient:
             job = await self._queue.get()
             self._sending = True
             try:
-                msg = await self.nc.request(subjects.cache("put", self.tier_id), protocol.encode(job.put),
+                msg = await self.nc.request(subjects.cache_put(self.tier_id, self.worker_id), protocol.encode(job.put),
                                             timeout=max(self.timeout_s, 10.0))
                 protocol.decode_reply(msg.data, protocol.Ack)
                 self.counters.writes += 1

@@ -36,6 +36,7 @@ STORE_COUNTERS = {
     "ssd_blocks_written": ("ssd_written_blocks", "Blocks written to SSD"),
     "ssd_compactions": ("ssd_compactions", "SSD segments compacted"),
     "ssd_bytes_reclaimed": ("ssd_reclaimed_bytes", "SSD bytes freed by compaction, net of the copies"),
+    "put_conflicts": ("put_conflicts", "Puts of a held block with other bytes (the first writer's kept)"),
 }
 
 

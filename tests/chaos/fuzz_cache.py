@@ -49,7 +49,8 @@ class TierBlocks:
 def cache_subjects(services: list[str], tiers: list[str], pool: int) -> list[tuple[str, str]]:
     out = []
     for t in tiers:
-        out += [(subjects.cache(op, t), f"cache_{op}") for op in ("put", "get", "release")]
+        out += [(subjects.cache_put(t, "fuzz"), "cache_put")]
+        out += [(subjects.cache(op, t), f"cache_{op}") for op in ("get", "release")]
         out += [(subjects.cache("stats", t), "stats"), (subjects.load(t, "cache_tier"), "load"),
                 (subjects.ctl(t, "kv_snapshot"), "ctl")]
         out += [(subjects.kv_pull(subjects.safe_token(f"{t}-fz-{k}")), "kvx") for k in range(0, pool, 6)]
@@ -95,7 +96,7 @@ async def seed_tier(nc, tier: str, dtype: str, block_shape: list[int], seed: int
         put = protocol.CachePut(transfer_id="seed", worker_id=CLIENT, retention="chat", block_hashes=hashes,
                                 token_ids=blocks.token_ids, block_size=SEED_BLOCK_SIZE, dtype=dtype,
                                 block_shape=list(block_shape), transport="stream", handle=handle)
-        reply = await nc.request(subjects.cache("put", tier), protocol.encode(put), timeout=10)
+        reply = await nc.request(subjects.cache_put(tier, put.worker_id), protocol.encode(put), timeout=10)
         protocol.decode_reply(reply.data, protocol.Ack)
     finally:
         await sender.close()

@@ -48,7 +48,7 @@ async def probe(nc, workers: tuple[str, ...] = ("prefill-0", "decode-0"),
         subjects.GENERATE: (bad, None), **{subjects.ctl(w, "kv_snapshot"): (b"", None) for w in workers},
         **{(subjects.prefill(w) if w.startswith("prefill") else subjects.decode(w)): (bad, None) for w in workers}}
     for t in tiers:
-        asks |= {subjects.cache("put", t): (bad, protocol.ErrorReply),
+        asks |= {subjects.cache_put(t, "fuzz"): (bad, protocol.ErrorReply),
                  subjects.cache("get", t): (bad, protocol.ErrorReply),
                  subjects.cache("stats", t): (stats, protocol.StatsReply)}
     if tiers:

@@ -86,7 +86,7 @@ async def put(nc, sender: StreamTransport, put_id: int, ledger: Ledger) -> None:
         ledger.issued.append(put_id)
         ledger.inflight += 1
         try:
-            reply = await nc.request(subjects.cache("put", TIER), protocol.encode(msg), timeout=10)
+            reply = await nc.request(subjects.cache_put(TIER, msg.worker_id), protocol.encode(msg), timeout=10)
         finally:
             ledger.inflight -= 1
         protocol.decode_reply(reply.data, protocol.Ack)

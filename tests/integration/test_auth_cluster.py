@@ -1,5 +1,5 @@
 """A whole cluster under NATS authentication (``ClusterSpec(auth=True)``): every service runs as its own role
-with only the permissions of shared/nats_auth.py, and a client connected as ``client`` still gets its answer
+with only the permissions of shared/nats_auth.py (its own instance user, bound to its id), and a client connected as ``client`` still gets its answer
 end to end (router -> prefill -> KV hand-off over the ``stream`` transport -> decode -> client, write-backs to
 the cache tier, stats to the monitor). No service is refused anything, no password is on a command line, and a
 respawned router gets its credentials again. A tenant's client (``client-a``) is served on its own subject."""
@@ -43,9 +43,12 @@ async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
     try:
         await cluster.start()
         assert cluster.client_credentials[0] == "client"
-        for proc in cluster.procs.values():  # argv is world-readable: no password there
+        roles = {"router": "router", "prefill-0": "prefill", "decode-0": "decode", "cache-0": "cache-tier"}
+        for name, proc in cluster.procs.items():  # argv is world-readable: no password there
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
             assert not any(pw in cmdline for pw in cluster.passwords.values())
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+            assert f"DEEPINFER_NATS_USER={roles[name]}.{name}".encode() in environ  # its own instance user
         nc = await cluster.connect_client()
         try:
             first = await generate_retrying(nc, request)
@@ -69,12 +72,16 @@ async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
                 pytest.fail(f"the cache tier never stored the write-back: {report}")
             assert {"router", "prefill-0", "decode-0", "cache-0"} <= set(report["services"])
             assert all(s["stats"] is not None for s in report["services"].values())
+            writers = tier["ledger"]["by_writer"]   # attributed to the worker whose credential sent the put
+            assert set(writers) <= {"prefill-0", "decode-0"} and sum(w["puts"] for w in writers.values()) >= 1
         finally:
             await monitor.close()
 
         cluster.kill("router")
         cluster.respawn_router()
-        await cluster.wait_healthy(["router"], 60)
+        cluster.spawn_router("router-2")   # a service started after the server: its user arrives by a reload
+        await cluster.wait_healthy(["router", "router-2"], 60)
+        assert "router.router-2" in cluster.passwords
         nc = await cluster.connect_client()
         try:
             assert await generate_retrying(nc, request) == first

@@ -50,14 +50,17 @@ async def sender(nc):
         await transport.close()
 
 
-async def put(nc, transport, tid: str, hashes: list[int], payload: torch.Tensor, **kw) -> protocol.Ack:
+async def put(nc, transport, tid: str, hashes: list[int], payload: torch.Tensor, writer: str = "client-0",
+              **kw) -> protocol.Ack:
+    """A put by ``writer`` (the subject's; the body names ``kw["worker_id"]``, by default the same)."""
     handle = await transport.stage(payload, tid)
     try:
-        msg = protocol.CachePut(transfer_id=tid, worker_id="client-0", retention=kw.pop("retention", "chat"),
+        msg = protocol.CachePut(transfer_id=tid, worker_id=kw.pop("worker_id", writer),
+                                retention=kw.pop("retention", "chat"),
                                 block_hashes=hashes, token_ids=kw.pop("token_ids", tokens(len(hashes))),
                                 block_size=BS, dtype="float32", block_shape=kw.pop("block_shape", SHAPE),
                                 transport="stream", handle=handle, **kw)
-        reply = await nc.request(subjects.cache("put", TIER_ID), protocol.encode(msg), timeout=5)
+        reply = await nc.request(subjects.cache_put(TIER_ID, writer), protocol.encode(msg), timeout=5)
         return protocol.decode_reply(reply.data, protocol.Ack)
     finally:
         await transport.release(tid)
@@ -100,7 +103,8 @@ async def test_bad_input_gets_an_error_and_loses_nothing(tier, nc, sender):
     await put(nc, sender, "keep", [1, 2], payload)
 
     async def error_of(subject_op: str, data: bytes) -> str:
-        reply = await nc.request(subjects.cache(subject_op, TIER_ID), data, timeout=5)
+        subject = subjects.cache_put(TIER_ID, "client-0") if subject_op == "put" else subjects.cache(subject_op, TIER_ID)
+        reply = await nc.request(subject, data, timeout=5)
         return protocol.decode(reply.data, protocol.ErrorReply).code
 
     assert await error_of("put", b"\xc1garbage") == "invalid_request"
@@ -119,6 +123,9 @@ async def test_bad_input_gets_an_error_and_loses_nothing(tier, nc, sender):
         big = torch.zeros((1, 3 << 20))                            # 12 MiB > segment_mb (4) / 2
         await put(nc, sender, "bad4", [8], big, block_shape=[3 << 20], token_ids=tokens(1))
     assert info.value.code == ErrorCode.PAYLOAD_TOO_LARGE
+    with pytest.raises(DeepinferError) as info:                   # the body names another writer than the subject
+        await put(nc, sender, "bad5", [5, 6], payload, writer="decode-0", worker_id="decode-1")
+    assert info.value.code == ErrorCode.INVALID_REQUEST
     assert (await get(nc, "g-unknown", [424242]))[0].num_blocks == 0          # unknown hash: nothing
     assert (await get(nc, "g-tokens", [1, 2], tokens(2, offset=1)))[0].num_blocks == 0  # other tokens
     assert (await get(nc, "g-shape", [1, 2], shape=[2, 2, 4, 3, 1]))[0].num_blocks == 0  # other layout
@@ -154,3 +161,20 @@ async def test_gc_removals_reach_the_kv_events(nats_server, nc, sender, tmp_path
     finally:
         await sub.unsubscribe()
         await service.shutdown()
+
+
+async def test_a_held_block_keeps_its_first_writers_bytes_and_every_put_is_attributed(tier, nc, sender):
+    """A later put of the same blocks (same hashes, tokens, digests) with other bytes (a forger, or a worker
+    whose arithmetic differs) never replaces what others are served: counted as a conflict, attributed."""
+    good, forged = kv(2, seed=3), kv(2, seed=4)
+    await put(nc, sender, "first", [41, 42], good, writer="decode-0")
+    assert (await put(nc, sender, "forged", [41, 42], forged, writer="decode-1")).detail == "0 new"
+    reply, data = await get(nc, "g", [41, 42])
+    assert reply.num_blocks == 2 and torch.equal(data, good)
+    await tier.store.flush()   # also from SSD: the record keeps its writer, the first bytes stay
+    held = await tier.store._on_ssd(tier.store._ssd.get, 41, tokens(1), "chat")
+    assert held is not None and held[0].writer == "decode-0"
+    stats = tier.store.stats()
+    assert stats["put_conflicts"] == 2
+    ledger = tier.ledger.as_dict()["by_writer"]
+    assert ledger["decode-0"]["blocks_written"] == 2 and ledger["decode-1"]["blocks_written"] == 2

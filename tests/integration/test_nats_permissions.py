@@ -24,7 +24,7 @@ ADMIN = "admin"  # an unrestricted observer (permissions=None): what it does not
 SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 SPOOFS = {  # user -> subjects it must not publish on
     "client": [subjects.load("decode-0", "decode"), subjects.KV_EVENTS, subjects.decode("decode-0"), subjects.prefill("p"),
-               subjects.cache("put", "cache-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
+               subjects.cache_put("cache-0", "decode-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
                subjects.kv_pull("t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
                f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1], subjects.WORK_CANCEL],
     "client-a": [subjects.GENERATE, subjects.CANCEL, subjects.generate_as("b"), subjects.cancel_as("b"),
@@ -32,16 +32,22 @@ SPOOFS = {  # user -> subjects it must not publish on
     # a role's credential heartbeats only as that role: no posing as a decode worker to be sent prompts
     "draft": [subjects.KV_EVENTS, subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL,
               subjects.load("d", "decode"), subjects.load("r", "router")],
-    "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache("put", "c"),
+    "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache_put("c", "w"),
                    subjects.load("d", "decode"), subjects.load("p", "prefill")],
     "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.KV_EVENTS],
-    "router": [subjects.KV_EVENTS, subjects.cache("put", "c"), subjects.draft("m"), subjects.GENERATE,
+    "router": [subjects.KV_EVENTS, subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
                 subjects.load("d", "decode")],
     "decode": [subjects.prefill("p"), subjects.decode("d"), subjects.GENERATE, "_INBOX.client.x",
                subjects.load("p", "prefill"), subjects.load("c", "cache_tier")],
+    # an instance user is bound to its id: no heartbeat, registry entry or cache put under another
+    "decode.decode-0": [subjects.load("decode-1", "decode"), subjects.cache_put("cache-0", "decode-1"),
+                        f"$KV.{subjects.REGISTRY_BUCKET}.decode-1", "_INBOX.decode.decode-1.x", subjects.GENERATE],
+    "cache-tier.cache-0": [subjects.load("cache-1", "cache_tier"), f"$KV.{subjects.REGISTRY_BUCKET}.cache-1"],
+    "router.router": [subjects.load("router-2", "router"), subjects.KV_EVENTS, "_INBOX.router.router-2.x"],
 }
+INSTANCES = [u for u in SPOOFS if "." in u]
 FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     "client": ["_INBOX.router.>", "_INBOX.client-b.>", "di.v1.>", ">", subjects.LOAD_ALL, subjects.GENERATE],
     "client-a": ["_INBOX.client-b.>", "_INBOX.client.>", subjects.GENERATE_TENANTS, "_INBOX.>"],
@@ -51,6 +57,11 @@ FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     "cache-tier": [subjects.PREFILL_ALL, "_INBOX.router.>"],
     "monitor": [subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE],
     "router": ["_INBOX.client.>", subjects.PREFILL_ALL],
+    # an instance hears only what is addressed to it: not another decode worker's hand-offs (prompts), inbox
+    # or control; a tier only its own puts
+    "decode.decode-0": [subjects.decode("decode-1"), subjects.DECODE_ALL, "_INBOX.decode.decode-1.>",
+                        "_INBOX.decode.>", subjects.ctl("decode-1", "probe")],
+    "cache-tier.cache-0": [subjects.cache_puts("cache-1"), subjects.cache_all("get")],
 }
 
 
@@ -75,7 +86,8 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env():
-    passwords = {**nats_auth.generate_passwords(TENANTS), ADMIN: "admin-password"}
+    passwords = {**nats_auth.generate_passwords(TENANTS), ADMIN: "admin-password",
+                 **{u: nats_auth.new_password() for u in INSTANCES}}
     users = [*nats_auth.users({u: p for u, p in passwords.items() if u != ADMIN}, TENANTS),
              NatsUser(ADMIN, passwords[ADMIN])]
     server = start_embedded_server(users=users)
@@ -216,20 +228,27 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("cache-tier", "decode", subjects.kv_pull("d-0-w1"), True),
     ("prefill", "cache-tier", subjects.kv_pull("c-g1"), True),                  # workers pull the tier's gets
     ("decode", "cache-tier", subjects.kv_pull("c-g2"), True),
-    *((w, "cache-tier", subjects.cache(op, "cache-0"), op != "release")
-      for w in ("prefill", "decode") for op in ("put", "get", "release")),
+    *((w, "cache-tier", subjects.cache_put("cache-0", f"{w}-0") if op == "put" else subjects.cache(op, "cache-0"),
+       op != "release") for w in ("prefill", "decode") for op in ("put", "get", "release")),
     ("decode", "draft", subjects.draft("model"), True),
     *(("monitor", s, subjects.stats(f"{s}-0"), True) for s in SERVICES),
     *((s, o, subjects.load(f"{s}-0", s.replace("-", "_")), False) for s in SERVICES for o in ("router", "monitor")),
     ("cache-tier", "prefill", subjects.load("cache-0", "cache_tier"), False),
     ("cache-tier", "decode", subjects.load("c-0", "cache_tier"), False),
     ("router", "decode", subjects.load("router-0", "router"), False),         # workers watch their routers
+    # instance users, addressed by their ids
+    ("router.router", "decode.decode-0", subjects.decode("decode-0"), True),
+    ("decode.decode-0", "cache-tier.cache-0", subjects.cache_put("cache-0", "decode-0"), True),
+    ("decode", "cache-tier.cache-0", subjects.cache_put("cache-0", "decode-7"), True),  # role user: any writer
+    ("decode.decode-0", "cache-tier.cache-0", subjects.cache("get", "cache-0"), True),
+    ("router.router", "cache-tier.cache-0", subjects.ctl("cache-0", "kv_snapshot"), True),
+    ("decode.decode-0", "router.router", subjects.load("decode-0", "decode"), False),
     *((s, "router", subjects.KV_EVENTS, False) for s in ("prefill", "decode", "cache-tier")),
 ]
 
 
 async def test_every_service_flow_is_delivered(env, no_violations):
-    conns = {u: await env.bus(u) for u in (*SERVICES, "monitor")}
+    conns = {u: await env.bus(u) for u in (*SERVICES, *INSTANCES, "monitor")}
     try:
         for sender, receiver, subject, is_request in FLOWS:
             got: asyncio.Queue = asyncio.Queue()
@@ -248,13 +267,14 @@ async def test_every_service_flow_is_delivered(env, no_violations):
             assert await asyncio.wait_for(got.get(), 2) == b"x", (sender, receiver, subject)
             await sub.unsubscribe()
         # token chunks to the inbox a PrefillRequest / DecodeLocalRequest names (the router's)
-        inbox = conns["router"].new_inbox()
-        sub = await conns["router"].subscribe(inbox)
-        await synced(conns["router"])
-        for worker in ("prefill", "decode"):
-            await conns[worker].publish(inbox, worker.encode())
-            assert (await sub.next_msg(timeout=2)).data == worker.encode()
-        for user in SERVICES:  # the transports' barrier: a message to one's own inbox
+        for router in ("router", "router.router"):
+            inbox = conns[router].new_inbox()
+            sub = await conns[router].subscribe(inbox)
+            await synced(conns[router])
+            for worker in ("prefill", "decode", "decode.decode-0"):
+                await conns[worker].publish(inbox, worker.encode())
+                assert (await sub.next_msg(timeout=2)).data == worker.encode()
+        for user in (*SERVICES, *INSTANCES):  # the transports' barrier: a message to one's own inbox
             await sync_with_server(conns[user], 2.0)
     finally:
         for nc in conns.values():
@@ -262,7 +282,8 @@ async def test_every_service_flow_is_delivered(env, no_violations):
 
 
 async def test_services_heartbeat_and_register(env, no_violations):
-    """Each service role publishes its heartbeat and keeps its registry entry (JetStream KV) up to date."""
+    """Each service role (and instance user, under its own id) publishes its heartbeat and keeps its registry
+    entry (JetStream KV) up to date."""
     admin, _ = await env.raw(ADMIN)
     try:
         beats: set[str] = set()
@@ -270,8 +291,9 @@ async def test_services_heartbeat_and_register(env, no_violations):
         async def on_load(msg) -> None:
             beats.add(protocol.decode(msg.data, protocol.LoadReport).worker_id)
         await admin.subscribe(subjects.LOAD_ALL, cb=on_load)
-        for user in SERVICES:
-            info = protocol.WorkerInfo(worker_id=f"{user}-9", role=user.replace("-", "_"), model_id="", host="h",
+        for user, worker_id in [*((u, f"{u}-9") for u in SERVICES), *((u, u.split(".")[1]) for u in INSTANCES)]:
+            role = user.split(".")[0].replace("-", "_")
+            info = protocol.WorkerInfo(worker_id=worker_id, role=role, model_id="", host="h",
                                        pid=1, transports=[], block_size=0, started_at=0.0)
             rt = ServiceRuntime(await env.bus(user), info, heartbeat_s=0.2)
             rt.start_heartbeat(lambda: {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_free_blocks": 0,

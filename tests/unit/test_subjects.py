@@ -18,11 +18,25 @@ def test_subjects():
     assert "." not in subjects.REGISTRY_BUCKET
 
 
+def test_a_cache_put_names_its_writer():
+    put = subjects.cache_put("cache-0", "decode-1")
+    assert put == "di.v1.cache.put.cache-0.decode-1" and subjects.cache_put_writer(put) == "decode-1"
+    assert subjects.cache_puts("cache-0") == "di.v1.cache.put.cache-0.*" == put.rsplit(".", 1)[0] + ".*"
+    assert subjects.cache_puts_by("decode-1") == "di.v1.cache.put.*.decode-1"
+    assert subjects.cache_all("put") == "di.v1.cache.put.*.*" and subjects.cache_all("get") == "di.v1.cache.get.*"
+    with pytest.raises(ValueError):
+        subjects.cache("put", "cache-0")  # a put without its writer
+    for bad in ("di.v1.cache.get.cache-0", "di.v1.cache.put.cache-0", "di.v1.cache.put.a.b.c"):
+        with pytest.raises(ValueError):
+            subjects.cache_put_writer(bad)
+
+
 @pytest.mark.parametrize("token", ["", "a.b", "a*", ">", "a b", "a\tb", "a\nb", "\x00", None, 5, "x" * 200])
 def test_subject_tokens_are_validated(token):
     for build_subject in (subjects.prefill, subjects.decode, subjects.kv_pull, subjects.draft, subjects.load_role,
                           lambda t: subjects.load(t, "decode"), lambda t: subjects.load("w", t),
-                          lambda t: subjects.cache("put", t), lambda t: subjects.cache(t, "tier"),
+                          lambda t: subjects.cache("get", t), lambda t: subjects.cache(t, "tier"),
+                          lambda t: subjects.cache_put(t, "w"), lambda t: subjects.cache_put("tier", t),
                           lambda t: subjects.ctl("svc", t), lambda t: subjects.ctl(t, "op")):
         with pytest.raises(ValueError):
             build_subject(token)

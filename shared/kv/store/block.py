@@ -26,6 +26,7 @@ MAX_BLOCK_TOKENS = 1024          # bounds a record's metadata (a block is 16 tok
 MAX_SHAPE_DIMS = 8
 MAX_DIGEST_BYTES = 64
 MAX_FINGERPRINT_CHARS = 64
+MAX_WRITER_CHARS = 128             # a subject token (shared/subjects.MAX_TOKEN_LEN)
 
 # Wire names as in shared/kv/transport.py (handles' "dtype"), with their element sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -64,10 +65,13 @@ class StoredBlock:
     payload: bytes               # dtype[shape], C order
     digest: bytes = b""          # chained digest (shared/kv/block_hash.py), or b""
     fingerprint: str = ""        # model build (shared/model/fingerprint.py), or ""
+    writer: str = ""             # the service that put it (its NATS-bound id: shared/subjects.cache_put), or ""
 
     def __post_init__(self) -> None:
         check_hash(self.block_hash)
         check_identity(self.digest, self.fingerprint)
+        if not isinstance(self.writer, str) or len(self.writer) > MAX_WRITER_CHARS or not self.writer.isascii():
+            raise invalid(f"writer must be an ASCII str of at most {MAX_WRITER_CHARS}, got {self.writer!r:.40}")
         object.__setattr__(self, "token_ids", check_token_ids(self.token_ids))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise invalid(f"unknown KV dtype {self.dtype!r:.40}")
@@ -87,7 +91,8 @@ class StoredBlock:
     @property
     def nbytes(self) -> int:
         """Bytes the store accounts for this block in DRAM: payload, 4 per token id, digest and fingerprint."""
-        return len(self.payload) + 4 * len(self.token_ids) + len(self.digest) + len(self.fingerprint)
+        return len(self.payload) + 4 * len(self.token_ids) + len(self.digest) + len(self.fingerprint) + \
+            len(self.writer)
 
     def matches(self, token_ids: Sequence[int], digest: bytes = b"", fingerprint: str = "") -> bool:
         """Whether this block holds exactly ``token_ids`` and is the block ``digest`` of the build ``fingerprint``
@@ -101,6 +106,11 @@ class StoredBlock:
         if self.token_ids != tuple(token_ids):
             return "tokens"
         return None if self.digest == digest and self.fingerprint == fingerprint else "identity"
+
+    def same_identity(self, other: "StoredBlock") -> bool:
+        """Whether ``other`` claims to be this very block (hash, tokens, digest, build), whatever its bytes."""
+        return self.block_hash == other.block_hash and other.mismatch(self.token_ids, self.digest,
+                                                                      self.fingerprint) is None
 
 
 def check_identity(digest: object, fingerprint: object) -> None:

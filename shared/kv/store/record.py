@@ -5,7 +5,8 @@ A segment file is a plain concatenation of records, little-endian, no file heade
     magic u32 | kind u8 | reserved u8 | reserved u16 | block_hash u64 | expiry f64 | last_use f64
     | meta_len u32 | payload_len u32 | retention class 16s (ASCII, NUL-padded)     (56 bytes, ``_HEADER``)
     | header_crc u32                    crc32 of the 56 header bytes
-    | meta (meta_len bytes: msgpack [token_ids, dtype, shape, digest, fingerprint]) | payload (payload_len bytes)
+    | meta (meta_len bytes: msgpack [token_ids, dtype, shape, digest, fingerprint, writer])
+    | payload (payload_len bytes)
     | body_crc u32                      crc32 of meta+payload, seeded with the hash's low 32 bits
 
 Kinds: ``KIND_BLOCK`` (a KV block) and ``KIND_TOUCH`` (no meta, no payload: "this block's expiry, last use
@@ -14,6 +15,7 @@ and class are at least these", written when hits extend a block's life).
 Records written before blocks carried a digest and a model fingerprint have a 3-item meta; they decode to a
 block with an empty digest and fingerprint, which no current worker's get can match (a directory kept across
 that upgrade, or across a model swap, never serves the old KV: it ages out by retention and eviction).
+Records written before blocks named their writer have a 5-item meta; they decode with writer ``""``.
 
 Invariants:
 - The header has a fixed size and its own crc, so a rebuild reads 60 bytes per record and seeks over the
@@ -71,7 +73,7 @@ def _prefix(kind: int, block_hash: int, meta: BlockMeta, meta_len: int, payload_
 def encode_block(block: StoredBlock, meta: BlockMeta) -> bytes:
     """One block record: the block's bytes and its retention state ``meta``."""
     meta_bytes = msgpack.packb([list(block.token_ids), block.dtype, list(block.shape), block.digest,
-                                block.fingerprint])
+                                block.fingerprint, block.writer])
     body_crc = zlib.crc32(block.payload, zlib.crc32(meta_bytes, block.block_hash & _SEED_MASK))
     return b"".join((_prefix(KIND_BLOCK, block.block_hash, meta, len(meta_bytes), len(block.payload)),
                      meta_bytes, block.payload, _U32.pack(body_crc)))
@@ -132,9 +134,9 @@ def decode_block(record: bytes, block_hash: int, max_length: int) -> tuple[Store
     payload_at = PREFIX_BYTES + header.meta_len
     try:
         token_ids, dtype, shape, *identity = msgpack.unpackb(record[PREFIX_BYTES:payload_at])
-        digest, fingerprint = identity or (b"", "")   # a 3-item meta: written before identities existed
+        digest, fingerprint, writer = (*identity, "")[:3] if identity else (b"", "", "")  # older: 3 or 5 items
         block = StoredBlock(block_hash, token_ids, dtype, shape, record[payload_at:header.length - _U32.size],
-                            digest, fingerprint)
+                            digest, fingerprint, writer)
     except Exception:  # noqa: BLE001 - a crc-valid record that does not decode is corruption: a miss
         return None
     return block, header.meta()

@@ -29,6 +29,7 @@ class StoreStats:
     writeback_failures: int = 0       # blocks lost to an SSD write error (logged)
     dropped_dram_only: int = 0        # class-none blocks evicted from DRAM (never written to SSD)
     write_behind_blocks: int = 0      # dirty DRAM blocks written to SSD by write-behind (also in writebacks)
+    put_conflicts: int = 0            # puts of a held block with other bytes (first kept: nondeterminism, forgery)
     # ssd
     ssd_evictions: int = 0            # capacity evictions in (expiry, last_use) order
     ssd_expiries: int = 0

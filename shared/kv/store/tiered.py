@@ -7,8 +7,10 @@ are serialized in submission order; concurrent coroutines are safe.
 Invariants:
 - A held block is in DRAM, on SSD, or both (the DRAM entry is then ``on_ssd``: clean), or *in flight* to SSD
   (``_inflight``, still served). A get returns a block only if it is unexpired and its tokens, digest and
-  model fingerprint equal the request's; every other outcome is a counted miss. A put of another block under
-  a hash already held (a 64-bit collision) replaces it: one block per hash, never a mix.
+  model fingerprint equal the request's; every other outcome is a counted miss. A put of a block already held
+  under the same identity never replaces its bytes (first writer wins: a later writer cannot swap the KV others
+  are served); a put of another block under a hash already held (a 64-bit collision) replaces it: one block per
+  hash, never a mix.
 - Moves: a block pushed out of DRAM by LRU pressure is written back to SSD unless it is expired (dropped),
   DRAM-only (class ttl 0: dropped) or a clean copy of a record the SSD still holds (only its newer retention
   state is sent). An SSD hit is promoted into DRAM as a clean entry.
@@ -98,8 +100,10 @@ class TieredBlockStore:
         await self.put_many([block], retention)
 
     async def put_many(self, blocks: Sequence[StoredBlock], retention: str) -> None:
-        """Store blocks for a request of class ``retention`` (all validated first: all or nothing).
-        Raises ``invalid_request`` (bad types, unknown class) or ``payload_too_large``."""
+        """Store blocks for a request of class ``retention`` (all validated first: all or nothing). A block
+        already held under the same identity (hash, tokens, digest, build) keeps its first writer's bytes: the
+        put only extends its life (other bytes are counted in ``put_conflicts``, never stored). Raises
+        ``invalid_request`` (bad types, unknown class) or ``payload_too_large``."""
         self._check_open()
         check_blocks(blocks, MAX_BATCH_BLOCKS, self.config.max_block_bytes)
         self.config.retention.ttl(retention)
@@ -108,12 +112,22 @@ class TieredBlockStore:
         dirty = False
         for block in blocks:
             meta = self.config.retention.new_meta(retention, now)
-            old = self._dram.peek(block.block_hash)
-            same = old is not None and old.block == block
-            if same:
-                meta.merge(old.meta)
-            pushed += self._dram.put(DramEntry(block, meta, on_ssd=same and old.on_ssd))
-            dirty |= meta.is_durable and not (same and old.on_ssd)
+            old = self._dram.get(block.block_hash) or self._inflight.get(block.block_hash)
+            if old is not None and not old.meta.is_expired(now) and old.block.same_identity(block):
+                self._stats.put_conflicts += old.block.payload != block.payload
+                old.meta.merge(meta)
+                if old.on_ssd or block.block_hash in self._inflight:
+                    self._touches[block.block_hash] = old.meta.copy()
+                dirty |= old.meta.is_durable and not old.on_ssd
+                continue
+            if old is None and self._ssd.contains(block.block_hash):
+                held = await self._on_ssd(self._ssd.get, block.block_hash, block.token_ids, retention,
+                                          block.digest, block.fingerprint)  # a hit extends its life on SSD
+                if held is not None:
+                    self._stats.put_conflicts += held[0].payload != block.payload
+                    continue
+            pushed += self._dram.put(DramEntry(block, meta, on_ssd=False))
+            dirty |= meta.is_durable
         if dirty:
             self._write_behind.notify()
         self._stats.dram_evictions += len(pushed)

@@ -12,7 +12,8 @@ role with the permissions of ``shared/nats_auth.py``; each child gets its own in
 (``<role>.<service id>``: heartbeats, registry entry and cache puts only under its id, work addressed to it
 only) in its environment (``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``, never argv, so ``ps`` does not
 show them), the same when respawned; a service started after the server (``spawn_router``, a new worker) adds
-its user by a config reload. On a server the launcher did not start (``nats_url``) children get role users. The launcher's own health check connects as the read-only ``monitor``; clients use
+its user by a config reload. On a server the launcher did not start (``nats_url``) and on a node of a NATS
+cluster (its services fail over to other nodes, which know only the role users) children get role users. The launcher's own health check connects as the read-only ``monitor``; clients use
 ``client_credentials`` / ``connect_client(tenant)``.
 """
 from __future__ import annotations
@@ -92,10 +93,17 @@ class Cluster:
         """A connection as the ``client`` role, or as tenant ``tenant``'s client (``client-<tenant>``)."""
         return await self.connect_as(nats_auth.tenant_user(tenant) if tenant else "client")
 
+    @property
+    def _instance_users(self) -> bool:
+        """Whether children get instance users: only on a lone server this launcher starts. A node of a NATS
+        cluster uses role users, which every node knows: its services must log in at another node after a
+        failover, and the other nodes cannot know this node's instances."""
+        return bool(self.passwords) and not self.spec.nats_url and self.spec.nats_cluster is None
+
     def _instance_credentials(self, role: str, name: str) -> tuple[str, str]:
-        """Service ``name``'s own NATS user (added to the running server if new); its role's user on a server
-        this launcher did not start; ("", "") without auth."""
-        if not self.passwords or (self.server is None and self.nats_url):
+        """Service ``name``'s own NATS user (added to the running server if new), or its role's user (see
+        ``_instance_users``); ("", "") without auth."""
+        if not self._instance_users:
             return self.credentials(role)
         user = nats_auth.instance_user(role, name)
         if user not in self.passwords:
@@ -183,9 +191,9 @@ class Cluster:
         await self.wait_healthy(names, s.start_timeout_s)
 
     def _planned_services(self) -> list[tuple[str, str]]:
-        """(role, service id) of every service ``start`` spawns (none without auth)."""
+        """(role, service id) of every service ``start`` spawns that gets an instance user."""
         s = self.spec
-        if not self.passwords:
+        if not self._instance_users:
             return []
         drafts = int(s.draft) if s.draft not in ("", "local") else 0
         return [*([("router", self.router_name)] if s.router else []),

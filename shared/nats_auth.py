@@ -5,8 +5,9 @@ status``) and optional tenant clients ``client-<tenant>``. Every service connect
 ``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
 
 Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have
-their role's permissions, except that they may publish heartbeats, registry entries and cache puts only under
-their own id (``load(<instance>, <role>)``, ``$KV.<registry>.<instance>``, ``cache_puts_by(<instance>)``). The
+their role's permissions, except that they may publish heartbeats, KV events, registry entries and cache puts
+only under their own id (``load(<instance>, <role>)``, ``kv_events(<instance>)``, ``$KV.<registry>.<instance>``,
+``cache_puts_by(<instance>)``), and hear only the work, control and cache subjects addressed to them. The
 launcher gives each service it starts its own instance user; a role user (compose, Kubernetes, ``deepinfer
 serve``) is trusted for every id of its role.
 
@@ -124,6 +125,7 @@ def _instance(role: str, instance: str, tenants: Sequence[str]) -> Permissions:
     only under its own id, and hears only the work, control and cache subjects addressed to it."""
     base, own = permissions(role, tenants), _own_inbox(instance_user(role, instance))[0]
     pub = {S.load_role(HEARTBEAT_ROLE[role]): S.load(instance, HEARTBEAT_ROLE[role]), S.inbox_all(role): own,
+           S.KV_EVENTS: S.kv_events(instance),
            S.REGISTRY_KV: S.REGISTRY_KV.removesuffix(">") + instance, S.cache_all("put"): S.cache_puts_by(instance)}
     sub = {S.inbox_all(role): own, S.PREFILL_ALL: S.prefill(instance), S.DECODE_ALL: S.decode(instance),
            S.cache_all("put"): S.cache_puts(instance),

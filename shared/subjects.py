@@ -7,7 +7,9 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
 - ``di.v1.generate.<tenant>``        the client API of an authenticated tenant (NATS user ``client-<tenant>``
                                      may publish only here): the router derives the cache salt from the tenant
 - ``di.v1.cancel.<tenant>``          a tenant's cancels (the router stops only that tenant's requests)
-- ``di.v1.kv.events``                KVEvent: blocks stored/removed/cleared by a worker or the cache tier
+- ``di.v1.kv.events.<worker>``       KVEvent: blocks stored/removed/cleared by a worker or the cache tier; the
+                                     router drops an event whose body names another worker than its subject
+                                     (an instance user may publish only its own)
 - ``di.v1.load.<role>.<worker>``     LoadReport heartbeats; ``di.v1.load.*.*`` (LOAD_ALL) subscribes to all. The
                                      role is in the subject so that NATS permissions bind it to the credential
                                      (a role's user may publish only ``di.v1.load.<its role>.*``); the router
@@ -43,7 +45,7 @@ GENERATE = f"{PREFIX}.generate"
 CANCEL = f"{PREFIX}.cancel"  # clients -> router (the router checks who may cancel what)
 HELD = f"{PREFIX}.held"  # clients -> routers: "is my request still relayed?" (the owning router answers)
 WORK_CANCEL = f"{PREFIX}.work_cancel"  # router -> workers: only the router role may publish it
-KV_EVENTS = f"{PREFIX}.kv.events"
+KV_EVENTS = f"{PREFIX}.kv.events.*"  # every worker's KV events (``kv_events``)
 GENERATE_TENANTS = f"{PREFIX}.generate.*"
 CANCEL_TENANTS = f"{PREFIX}.cancel.*"
 HELD_TENANTS = f"{PREFIX}.held.*"
@@ -122,6 +124,19 @@ def load(worker_id: str, role: str) -> str:
     """Subject a service of ``role`` (``protocol_control.ROLES``) publishes its LoadReport heartbeats on
     (LOAD_ALL matches all of them)."""
     return f"{PREFIX}.load.{validate_token(role, 'role')}.{validate_token(worker_id, 'worker_id')}"
+
+
+def kv_events(worker_id: str) -> str:
+    """Subject of one worker's (or cache tier's) KVEvents."""
+    return f"{PREFIX}.kv.events.{validate_token(worker_id, 'worker_id')}"
+
+
+def kv_events_origin(subject: str) -> str:
+    """The worker named by a ``kv_events`` subject."""
+    parts = subject.split(".")
+    if len(parts) != 5 or ".".join(parts[:4]) != f"{PREFIX}.kv.events":
+        raise ValueError(f"not a KV events subject: {subject!r}")
+    return parts[4]
 
 
 def load_role(role: str) -> str:

@@ -4,7 +4,7 @@
 Validates and tokenizes each request, admits it (at most ``max_inflight`` concurrent streams; the policy
 rejects with ``overloaded`` when the predicted TTFT misses ``ttft_slo_s``), and serves it through ``Relay``
 (placement, dispatch, relay, failover: ``services/router/relay.py``). Keeps the worker table (heartbeats on
-``di.v1.load.*.*``) and the KV index (``di.v1.kv.events``, resynced from a worker's snapshot after a gap) and
+``di.v1.load.*.*``) and the KV index (``di.v1.kv.events.*``, resynced from a worker's snapshot after a gap) and
 prunes both: a worker silent past the table's ``forget_after_s`` is dropped, and index entries of workers
 that are dead or never heartbeated are dropped after a sweep interval. Every reply on the client's subject is a
 ``TokenChunk``; the last one has ``final=True`` and either usage or an error. Undecodable requests get an
@@ -122,6 +122,10 @@ class RouterService(Service):
 
     async def on_kv_event(self, msg) -> None:
         event = protocol.decode(msg.data, protocol.KVEvent)
+        if subjects.kv_events_origin(msg.subject) != event.worker_id:  # bound to the sender's credential
+            self.metrics.rejected("spoofed_kv_event")
+            logger.warning("KV event on %s claims %s: ignored", msg.subject, event.worker_id)
+            return
         if not self.index.apply(event):
             self._start_resync(event.worker_id)
 

@@ -74,7 +74,7 @@ class KVEventPublisher:
             event = protocol.KVEvent(worker_id=self.worker_id, seq=self.seq + 1, kind=kind, block_hashes=hashes,
                                      tier=self.tier)
             try:
-                await self.nc.publish(subjects.KV_EVENTS, protocol.encode(event))
+                await self.nc.publish(subjects.kv_events(self.worker_id), protocol.encode(event))
             except BaseException:
                 self._requeue(events[i:])
                 raise

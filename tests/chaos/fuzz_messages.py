@@ -74,8 +74,9 @@ class Fuzzer(Mutations):
     # ---- subjects ------------------------------------------------------------------------------------------
     def _subjects(self) -> list[tuple[str, str]]:
         """(subject, the message family it expects)."""
-        out = [(subjects.GENERATE, "generate"), (subjects.CANCEL, "cancel"), (subjects.KV_EVENTS, "kv_event")]
+        out = [(subjects.GENERATE, "generate"), (subjects.CANCEL, "cancel")]
         for w in self.workers:
+            out.append((subjects.kv_events(w), "kv_event"))
             role = w.split("-")[0] if w.split("-")[0] in ("prefill", "decode", "router") else "decode"
             out += [(subjects.load(w, role), "load"), (subjects.prefill(w), "prefill"), (subjects.decode(w), "decode"),
                     (subjects.ctl(w, "kv_snapshot"), "ctl")]
@@ -239,7 +240,7 @@ class Fuzzer(Mutations):
         subject = rng.choice([s for s, f in self.subjects if f == family])
         r = rng.random()
         reply = self._inbox() if r < 0.6 else None if r < 0.85 else rng.choice(
-            [subjects.GENERATE, subjects.CANCEL, subjects.KV_EVENTS, subjects.load("router", "router"),
+            [subjects.GENERATE, subjects.CANCEL, subjects.kv_events("fz"), subjects.load("router", "router"),
              subjects.decode(self.workers[-1]), "_INBOX.x", "fz"])
         if family == "kvx" and rng.random() < 0.7:  # a pull body: {"i": chunk}
             i = rng.choice([0, 1, 2, -1, 2**63 - 1, "0", None, 0.5, math.nan, math.inf, [], {"j": 1}])

@@ -60,8 +60,9 @@ async def test_worker_without_responder_is_failed_over(nats_server, folder, role
 
 
 async def test_a_heartbeat_whose_body_disagrees_with_its_subject_is_ignored(nats_server, folder):
-    """The subject's role is what NATS permissions bind to a credential: a draft (or any other) service posing
-    as a decode worker in the body, or under another worker's id, is not believed."""
+    """The subject's role (and, for instance users, id) is what NATS permissions bind to a credential: a draft
+    (or any other) service posing as a decode worker in the body, or under another worker's id, is not
+    believed; nor are KV events whose body names another worker than their subject."""
     async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1) as cluster:
         real = cluster.workers[0]
         report = protocol.LoadReport(worker_id="poser", role="decode", model_id=real.engine.model.config.model_id,
@@ -77,6 +78,15 @@ async def test_a_heartbeat_whose_body_disagrees_with_its_subject_is_ignored(nats
             assert "poser" not in cluster.router.table.workers and "someone-else" not in cluster.router.table.workers
             await nc.publish(subjects.load("poser", "decode"), protocol.encode(report))   # consistent: believed
             assert await wait_until(lambda: cluster.router.table.is_alive("poser"))
+            # KV events likewise: blocks claimed for decode-0 under another id's subject are not indexed
+            event = protocol.KVEvent(worker_id=real.config.worker_id, seq=10**6, kind="stored", block_hashes=[77])
+            await nc.publish(subjects.kv_events("poser"), protocol.encode(event))
+            await nc.flush()
+            await asyncio.sleep(0.3)
+            assert cluster.router.index.overlap([77]) == {}
+            await nc.publish(subjects.kv_events("poser"), protocol.encode(
+                protocol.KVEvent(worker_id="poser", seq=1, kind="stored", block_hashes=[77])))
+            assert await wait_until(lambda: cluster.router.index.overlap([77]) == {"poser": 1})
         finally:
             await nc.close()
 

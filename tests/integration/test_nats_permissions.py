@@ -23,19 +23,19 @@ TENANTS = ["a", "b"]
 ADMIN = "admin"  # an unrestricted observer (permissions=None): what it does not receive was not delivered
 SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 SPOOFS = {  # user -> subjects it must not publish on
-    "client": [subjects.load("decode-0", "decode"), subjects.KV_EVENTS, subjects.decode("decode-0"), subjects.prefill("p"),
+    "client": [subjects.load("decode-0", "decode"), subjects.kv_events("decode-0"), subjects.decode("decode-0"), subjects.prefill("p"),
                subjects.cache_put("cache-0", "decode-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
                subjects.kv_pull("t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
                f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1], subjects.WORK_CANCEL],
     "client-a": [subjects.GENERATE, subjects.CANCEL, subjects.generate_as("b"), subjects.cancel_as("b"),
                  subjects.load("x", "decode"), "_INBOX.client.x", subjects.WORK_CANCEL],
     # a role's credential heartbeats only as that role: no posing as a decode worker to be sent prompts
-    "draft": [subjects.KV_EVENTS, subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL,
+    "draft": [subjects.kv_events("d"), subjects.decode("d"), "_INBOX.router.x", subjects.GENERATE, subjects.CANCEL,
               subjects.load("d", "decode"), subjects.load("r", "router")],
     "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache_put("c", "w"),
                    subjects.load("d", "decode"), subjects.load("p", "prefill")],
-    "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.KV_EVENTS],
-    "router": [subjects.KV_EVENTS, subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
+    "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.kv_events("d")],
+    "router": [subjects.kv_events("r"), subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
                 subjects.load("d", "decode")],
@@ -43,9 +43,10 @@ SPOOFS = {  # user -> subjects it must not publish on
                subjects.load("p", "prefill"), subjects.load("c", "cache_tier")],
     # an instance user is bound to its id: no heartbeat, registry entry or cache put under another
     "decode.decode-0": [subjects.load("decode-1", "decode"), subjects.cache_put("cache-0", "decode-1"),
+                        subjects.kv_events("decode-1"),
                         f"$KV.{subjects.REGISTRY_BUCKET}.decode-1", "_INBOX.decode.decode-1.x", subjects.GENERATE],
     "cache-tier.cache-0": [subjects.load("cache-1", "cache_tier"), f"$KV.{subjects.REGISTRY_BUCKET}.cache-1"],
-    "router.router": [subjects.load("router-2", "router"), subjects.KV_EVENTS, "_INBOX.router.router-2.x"],
+    "router.router": [subjects.load("router-2", "router"), subjects.kv_events("r"), "_INBOX.router.router-2.x"],
 }
 INSTANCES = [u for u in SPOOFS if "." in u]
 FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
@@ -243,7 +244,8 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("decode.decode-0", "cache-tier.cache-0", subjects.cache("get", "cache-0"), True),
     ("router.router", "cache-tier.cache-0", subjects.ctl("cache-0", "kv_snapshot"), True),
     ("decode.decode-0", "router.router", subjects.load("decode-0", "decode"), False),
-    *((s, "router", subjects.KV_EVENTS, False) for s in ("prefill", "decode", "cache-tier")),
+    *((s, "router", subjects.kv_events(f"{s}-0"), False) for s in ("prefill", "decode", "cache-tier")),
+    ("decode.decode-0", "router.router", subjects.kv_events("decode-0"), False),
 ]
 
 

@@ -188,7 +188,7 @@ def test_cluster_spec_refuses_auth_it_cannot_provide():
         ClusterSpec(auth=True, tenants=["a.b"], cache_tier=0)
 
 
-def test_children_get_their_role_credentials_in_the_environment_only(monkeypatch, tmp_path):
+def test_children_get_their_instance_credentials_in_the_environment_only(monkeypatch, tmp_path):
     import shutil
 
     from shared import launcher
@@ -213,8 +213,9 @@ def test_children_get_their_role_credentials_in_the_environment_only(monkeypatch
     roles = {"services.prefill": "prefill", "services.decode": "decode", "services.cache_tier": "cache-tier",
              "services.draft": "draft", "services.router": "router"}
     assert set(spawned) == set(roles)
-    for module, (argv, env) in spawned.items():
-        assert (env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"]) == cluster.credentials(roles[module])
+    for module, (argv, env) in spawned.items():   # each its own instance user <role>.<service id>
+        user = nats_auth.instance_user(roles[module], argv[argv.index("--worker-id") + 1])
+        assert (env["DEEPINFER_NATS_USER"], env["DEEPINFER_NATS_PASSWORD"]) == cluster.credentials(user)
         assert not any(pw in " ".join(argv) for pw in cluster.passwords.values())
     user, password = cluster.client_credentials
     assert user == "client" and cluster.client_url() == f"nats://client:{password}@127.0.0.1:4222"

@@ -7,11 +7,12 @@ from shared import subjects
 
 def test_subjects():
     assert subjects.GENERATE == "di.v1.generate" and subjects.CANCEL == "di.v1.cancel"
-    assert subjects.KV_EVENTS == "di.v1.kv.events" and subjects.LOAD_ALL == "di.v1.load.*.*"
+    assert subjects.KV_EVENTS == "di.v1.kv.events.*" and subjects.kv_events("w") == "di.v1.kv.events.w" and subjects.LOAD_ALL == "di.v1.load.*.*"
     assert subjects.prefill("p-0") == "di.v1.prefill.p-0" and subjects.decode("d_1") == "di.v1.decode.d_1"
     assert subjects.load("w", "decode") == "di.v1.load.decode.w" and subjects.kv_pull("t1") == "di.v1.kvx.t1"
     assert subjects.load_role("cache_tier") == "di.v1.load.cache_tier.*"
     assert subjects.load_origin(subjects.load("w", "decode")) == ("decode", "w")
+    assert subjects.kv_events_origin(subjects.kv_events("w")) == "w"
     assert subjects.ctl("router", "status") == "di.v1.ctl.router.status"
     assert subjects.draft("tiny") == "di.v1.draft.tiny" and subjects.cache("get", "tier-0") == "di.v1.cache.get.tier-0"
     assert subjects.stats("router-1") == "di.v1.ctl.router-1.stats"

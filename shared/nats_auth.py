@@ -7,7 +7,8 @@ status``) and optional tenant clients ``client-<tenant>``. Every service connect
 Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have
 their role's permissions, except that they may publish heartbeats, KV events, registry entries and cache puts
 only under their own id (``load(<instance>, <role>)``, ``kv_events(<instance>)``, ``$KV.<registry>.<instance>``,
-``cache_puts_by(<instance>)``), and hear only the work, control and cache subjects addressed to them. The
+``cache_puts_by(<instance>)``), and hear only the work, control, cache and KV-pull subjects addressed to them
+(no instance can answer a pull of another's transfer). The
 launcher gives each service it starts its own instance user; a role user (compose, Kubernetes, ``deepinfer
 serve``) is trusted for every id of its role.
 
@@ -128,6 +129,7 @@ def _instance(role: str, instance: str, tenants: Sequence[str]) -> Permissions:
            S.KV_EVENTS: S.kv_events(instance),
            S.REGISTRY_KV: S.REGISTRY_KV.removesuffix(">") + instance, S.cache_all("put"): S.cache_puts_by(instance)}
     sub = {S.inbox_all(role): own, S.PREFILL_ALL: S.prefill(instance), S.DECODE_ALL: S.decode(instance),
+           S.KV_PULL_ALL: S.kv_pulls_of(instance),
            S.cache_all("put"): S.cache_puts(instance),
            **{S.cache_all(op): S.cache(op, instance) for op in S.CACHE_OPS if op != "put"},
            **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats")}}

@@ -16,7 +16,9 @@ Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
                                      drops a report whose body disagrees with its subject
 - ``di.v1.prefill.<worker>``         PrefillRequest to one prefill worker
 - ``di.v1.decode.<worker>``          KVHandoff / DecodeLocalRequest to one decode worker
-- ``di.v1.kvx.<transfer>``           ``stream`` KV transport: pulls of one transfer's payload chunks
+- ``di.v1.kvx.<owner>.<transfer>``   ``stream`` KV transport: pulls of one transfer's payload chunks, served by
+                                     the service that staged it (``owner``: an instance user may serve only
+                                     its own transfers, so no peer can answer a pull with other bytes)
 - ``di.v1.ctl.<service>.<op>``       control plane (status, drain, ...) of one service
 - ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
 - ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``get``, ``release``, ``stats``
@@ -152,21 +154,26 @@ def load_origin(subject: str) -> tuple[str, str]:
     return parts[3], parts[4]
 
 
-def kv_pull(transfer_id: str) -> str:
-    """Subject the ``stream`` transport serves one transfer's chunks on."""
-    return f"{PREFIX}.kvx.{validate_token(transfer_id, 'transfer_id')}"
+def kv_pull(owner: str, transfer_id: str) -> str:
+    """Subject the ``stream`` transport of service ``owner`` serves one transfer's chunks on."""
+    return f"{PREFIX}.kvx.{validate_token(owner, 'owner')}.{validate_token(transfer_id, 'transfer_id')}"
+
+
+def kv_pulls_of(owner: str) -> str:
+    """Every transfer ``owner`` serves: what an instance's NATS user may subscribe to."""
+    return f"{PREFIX}.kvx.{validate_token(owner, 'owner')}.*"
 
 
 def is_kv_pull(subject: str) -> bool:
     """True when ``subject`` is exactly one ``kv_pull`` subject (what a ``stream`` KV handle may name)."""
     prefix = f"{PREFIX}.kvx."
-    if not isinstance(subject, str) or not subject.startswith(prefix):
+    if not isinstance(subject, str) or not subject.startswith(prefix) or len(subject) > 2 * MAX_TOKEN_LEN + 16:
         return False
+    parts = subject[len(prefix):].split(".")
     try:
-        validate_token(subject[len(prefix):])
+        return len(parts) == 2 and all(validate_token(p) for p in parts)
     except ValueError:
         return False
-    return True
 
 
 def ctl(service: str, op: str) -> str:
@@ -221,7 +228,7 @@ def stats(service: str) -> str:
 # ---- wildcard patterns and NATS-internal subjects (for the per-role permissions of ``shared/nats_auth.py``) ----
 PREFILL_ALL = f"{PREFIX}.prefill.*"
 DECODE_ALL = f"{PREFIX}.decode.*"
-KV_PULL_ALL = f"{PREFIX}.kvx.*"
+KV_PULL_ALL = f"{PREFIX}.kvx.*.*"
 DRAFT_ALL = f"{PREFIX}.draft.*"
 INBOX_ROOT = "_INBOX"  # nats-py's default inbox root; every deepinfer connection adds its user under it
 REGISTRY_KV = f"$KV.{REGISTRY_BUCKET}.>"  # puts and deletes of registry entries (JetStream KV)

@@ -92,7 +92,7 @@ class NixlTransport(KVTransport):
         self._progress_task: asyncio.Task | None = None
 
     def subject_for(self, transfer_id: str) -> str:
-        return subjects.kv_pull(subjects.safe_token(f"{self.worker_id}-nixl-{transfer_id}"))
+        return subjects.kv_pull(subjects.safe_token(self.worker_id), subjects.safe_token(f"nixl-{transfer_id}"))
 
     # ---------------------------------------------------------------- sender
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:

@@ -1,6 +1,6 @@
 """``stream`` KV transport (any host): the receiver pulls the payload from the sender in chunks over NATS.
 
-Handle: {"transport": "stream", "subject": subjects.kv_pull(...), "chunk": bytes per chunk, "chunks": count,
+Handle: {"transport": "stream", "subject": subjects.kv_pull(<sender>, <transfer>), "chunk": bytes per chunk, "chunks": count,
 "nbytes", "dtype", "shape"}. Pull request body: msgpack {"i": chunk index}; reply body: the raw chunk bytes
 (``payload[i*chunk : (i+1)*chunk]``), or an empty body with header ``Kv-Error`` on a bad request.
 
@@ -67,8 +67,9 @@ class StreamTransport(KVTransport):
         self._staged: dict[str, _Staged] = {}
 
     def subject_for(self, transfer_id: str) -> str:
-        # Worker id in the token: two senders may stage the same request id (re-placement after a failure).
-        return subjects.kv_pull(subjects.safe_token(f"{self.worker_id}-{transfer_id}"))
+        # Worker id in the subject: two senders may stage the same request id (re-placement after a failure),
+        # and NATS permissions let an instance serve only its own transfers.
+        return subjects.kv_pull(subjects.safe_token(self.worker_id), subjects.safe_token(transfer_id))
 
     # ---------------------------------------------------------------- sender
     async def stage(self, payload: torch.Tensor, transfer_id: str) -> dict:

@@ -53,7 +53,7 @@ def cache_subjects(services: list[str], tiers: list[str], pool: int) -> list[tup
         out += [(subjects.cache(op, t), f"cache_{op}") for op in ("get", "release")]
         out += [(subjects.cache("stats", t), "stats"), (subjects.load(t, "cache_tier"), "load"),
                 (subjects.ctl(t, "kv_snapshot"), "ctl")]
-        out += [(subjects.kv_pull(subjects.safe_token(f"{t}-fz-{k}")), "kvx") for k in range(0, pool, 6)]
+        out += [(subjects.kv_pull(t, f"fz-{k}"), "kvx") for k in range(0, pool, 6)]
     return out + [(subjects.stats(s), "stats") for s in [*services, *tiers]]
 
 

@@ -14,7 +14,7 @@ that the router enforces) and a prompt either short or past the context window (
 The cache tier's subjects and messages come from ``tests/chaos/fuzz_cache.py`` (when ``tiers`` are given).
 
 Request ids come from a small pool (``fz-<k>``, and the workers' ``fz-<k>~<attempt>``) so duplicates, cancels
-of live requests and pulls of live ``stream`` transfers (``kvx.prefill-0-fz-<k>~0``) happen.
+of live requests and pulls of live ``stream`` transfers (``kvx.prefill-0.fz-<k>~0``) happen.
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ class Fuzzer(Mutations):
                     (subjects.ctl(w, "kv_snapshot"), "ctl")]
         prefillers = [w for w in self.workers if w.startswith("prefill")] or self.workers[:1]
         for k in range(0, ID_POOL, 6):  # live `stream` transfers of the pool's ids, and ones that never exist
-            out.append((subjects.kv_pull(subjects.safe_token(f"{prefillers[0]}-fz-{k}~0")), "kvx"))
-        out += [(subjects.kv_pull("nobody-fz-1~0"), "kvx"), (subjects.kv_pull("x" * 128), "kvx")]
+            out.append((subjects.kv_pull(prefillers[0], subjects.safe_token(f"fz-{k}~0")), "kvx"))
+        out += [(subjects.kv_pull("nobody", "fz-1~0"), "kvx"), (subjects.kv_pull("x" * 128, "y" * 128), "kvx")]
         if self.tiers:
             out += cache_subjects(self.workers, self.tiers, ID_POOL)
         return out
@@ -127,7 +127,7 @@ class Fuzzer(Mutations):
         nbytes = math.prod(shape) * ITEM_BYTES.get(self.dtype, 2)
         if transport == "stream":
             k = self.rng.randrange(ID_POOL)
-            subject = subjects.kv_pull(subjects.safe_token(f"{self._worker('prefill')}-fz-{k}~0"))
+            subject = subjects.kv_pull(self._worker("prefill"), subjects.safe_token(f"fz-{k}~0"))
             return {"transport": "stream", "subject": subject, "chunk": 1 << 20, "chunks": -(-nbytes // (1 << 20)),
                     "nbytes": nbytes, "dtype": self.dtype, "shape": shape}
         return {"transport": transport, "segment": f"psm_fz{self.rng.randrange(1000)}",

@@ -25,7 +25,7 @@ SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 SPOOFS = {  # user -> subjects it must not publish on
     "client": [subjects.load("decode-0", "decode"), subjects.kv_events("decode-0"), subjects.decode("decode-0"), subjects.prefill("p"),
                subjects.cache_put("cache-0", "decode-0"), subjects.ctl("decode-0", "probe"), subjects.draft("m"),
-               subjects.kv_pull("t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
+               subjects.kv_pull("w", "t"), subjects.generate_as("a"), "_INBOX.router.x", "_INBOX.client-a.x",
                f"$KV.{subjects.REGISTRY_BUCKET}.decode-0", subjects.REGISTRY_API[1], subjects.WORK_CANCEL],
     "client-a": [subjects.GENERATE, subjects.CANCEL, subjects.generate_as("b"), subjects.cancel_as("b"),
                  subjects.load("x", "decode"), "_INBOX.client.x", subjects.WORK_CANCEL],
@@ -61,8 +61,10 @@ FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     # an instance hears only what is addressed to it: not another decode worker's hand-offs (prompts), inbox
     # or control; a tier only its own puts
     "decode.decode-0": [subjects.decode("decode-1"), subjects.DECODE_ALL, "_INBOX.decode.decode-1.>",
-                        "_INBOX.decode.>", subjects.ctl("decode-1", "probe")],
-    "cache-tier.cache-0": [subjects.cache_puts("cache-1"), subjects.cache_all("get")],
+                        "_INBOX.decode.>", subjects.ctl("decode-1", "probe"), subjects.kv_pulls_of("prefill-0"),
+                        subjects.kv_pull("decode-1", "t")],   # no answering a pull of another's transfer
+    "cache-tier.cache-0": [subjects.cache_puts("cache-1"), subjects.cache_all("get"), subjects.KV_PULL_ALL],
+    "router.router": [subjects.kv_pulls_of("decode-0")],
 }
 
 
@@ -224,11 +226,11 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("router", "decode", subjects.ctl("d-0", "kv_snapshot"), True),
     ("router", "cache-tier", subjects.ctl("cache-0", "kv_snapshot"), True),
     ("prefill", "decode", subjects.decode("d-0"), True),                        # the KV hand-off
-    ("decode", "prefill", subjects.kv_pull("p-0-r1"), True),                    # stream transport pulls
-    ("cache-tier", "prefill", subjects.kv_pull("p-0-w1"), True),                # the tier pulls write-backs
-    ("cache-tier", "decode", subjects.kv_pull("d-0-w1"), True),
-    ("prefill", "cache-tier", subjects.kv_pull("c-g1"), True),                  # workers pull the tier's gets
-    ("decode", "cache-tier", subjects.kv_pull("c-g2"), True),
+    ("decode", "prefill", subjects.kv_pull("prefill-0", "r1"), True),                    # stream transport pulls
+    ("cache-tier", "prefill", subjects.kv_pull("prefill-0", "w1"), True),                # the tier pulls write-backs
+    ("cache-tier", "decode", subjects.kv_pull("decode-0", "w1"), True),
+    ("prefill", "cache-tier", subjects.kv_pull("cache-0", "g1"), True),                  # workers pull the tier's gets
+    ("decode", "cache-tier", subjects.kv_pull("cache-0", "g2"), True),
     *((w, "cache-tier", subjects.cache_put("cache-0", f"{w}-0") if op == "put" else subjects.cache(op, "cache-0"),
        op != "release") for w in ("prefill", "decode") for op in ("put", "get", "release")),
     ("decode", "draft", subjects.draft("model"), True),
@@ -242,6 +244,8 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("decode.decode-0", "cache-tier.cache-0", subjects.cache_put("cache-0", "decode-0"), True),
     ("decode", "cache-tier.cache-0", subjects.cache_put("cache-0", "decode-7"), True),  # role user: any writer
     ("decode.decode-0", "cache-tier.cache-0", subjects.cache("get", "cache-0"), True),
+    ("cache-tier.cache-0", "decode.decode-0", subjects.kv_pull("decode-0", "w2"), True),   # the tier pulls a put
+    ("decode.decode-0", "cache-tier.cache-0", subjects.kv_pull("cache-0", "g3"), True),   # a worker pulls a get
     ("router.router", "cache-tier.cache-0", subjects.ctl("cache-0", "kv_snapshot"), True),
     ("decode.decode-0", "router.router", subjects.load("decode-0", "decode"), False),
     *((s, "router", subjects.kv_events(f"{s}-0"), False) for s in ("prefill", "decode", "cache-tier")),

@@ -9,7 +9,7 @@ def test_subjects():
     assert subjects.GENERATE == "di.v1.generate" and subjects.CANCEL == "di.v1.cancel"
     assert subjects.KV_EVENTS == "di.v1.kv.events.*" and subjects.kv_events("w") == "di.v1.kv.events.w" and subjects.LOAD_ALL == "di.v1.load.*.*"
     assert subjects.prefill("p-0") == "di.v1.prefill.p-0" and subjects.decode("d_1") == "di.v1.decode.d_1"
-    assert subjects.load("w", "decode") == "di.v1.load.decode.w" and subjects.kv_pull("t1") == "di.v1.kvx.t1"
+    assert subjects.load("w", "decode") == "di.v1.load.decode.w" and subjects.kv_pull("w", "t1") == "di.v1.kvx.w.t1"
     assert subjects.load_role("cache_tier") == "di.v1.load.cache_tier.*"
     assert subjects.load_origin(subjects.load("w", "decode")) == ("decode", "w")
     assert subjects.kv_events_origin(subjects.kv_events("w")) == "w"
@@ -34,7 +34,8 @@ def test_a_cache_put_names_its_writer():
 
 @pytest.mark.parametrize("token", ["", "a.b", "a*", ">", "a b", "a\tb", "a\nb", "\x00", None, 5, "x" * 200])
 def test_subject_tokens_are_validated(token):
-    for build_subject in (subjects.prefill, subjects.decode, subjects.kv_pull, subjects.draft, subjects.load_role,
+    for build_subject in (subjects.prefill, subjects.decode, subjects.draft, subjects.load_role, subjects.kv_pulls_of,
+                          lambda t: subjects.kv_pull(t, "x"), lambda t: subjects.kv_pull("w", t),
                           lambda t: subjects.load(t, "decode"), lambda t: subjects.load("w", t),
                           lambda t: subjects.cache("get", t), lambda t: subjects.cache(t, "tier"),
                           lambda t: subjects.cache_put(t, "w"), lambda t: subjects.cache_put("tier", t),
@@ -53,6 +54,7 @@ def test_safe_token():
 
 
 def test_is_kv_pull_accepts_only_one_pull_subject():
-    assert subjects.is_kv_pull(subjects.kv_pull("w-1"))
-    for bad in ("di.v1.kvx.", "di.v1.kvx.a.b", "di.v1.kvx.*", "_INBOX.x", "di.v1.kvx." + "a" * 5000, None):
+    assert subjects.is_kv_pull(subjects.kv_pull("w-1", "t-1"))
+    for bad in ("di.v1.kvx.", "di.v1.kvx.a", "di.v1.kvx.a.b.c", "di.v1.kvx.a.", "di.v1.kvx.*.b", "di.v1.kvx.a.>",
+                "_INBOX.x", "di.v1.kvx." + "a" * 5000, "di.v1.kvx.a." + "b" * 129, None):
         assert not subjects.is_kv_pull(bad)

@@ -15,18 +15,17 @@ Import (decode side): ``import_prefilled`` creates the request with ``prompt + [
 reuses the decode engine's own prefix-cache hits, writes the remaining blocks from the payload and marks the
 prompt as computed, so the next step decodes the first token exactly as the monolithic engine would. With
 no room for the blocks, the request is queued for local recompute instead (same tokens, more compute):
-work is never lost.
+work is never lost. It is ``shared/engine/migration.import_running`` with one output token.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.request import Request, RequestStatus
+from shared.engine.migration import check_import, import_running
 from shared.engine.sampling_params import SamplingParams
-from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.errors import DeepinferError, ErrorCode
 
 if TYPE_CHECKING:
     from shared.engine.llm_engine import LLMEngine
@@ -66,16 +65,7 @@ def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: i
     """Raise unless a hand-off of ``prompt_token_ids`` + ``first_token`` whose payload is ``shape`` /
     ``dtype`` (torch name without ``torch.``), computed by the build ``model_fingerprint``, can be imported
     here. Allocates and reads nothing."""
-    check_model(engine, model_fingerprint, "the KV hand-off")
-    engine.validate(prompt_token_ids, params)
-    vocab = engine.model.config.vocab_size
-    if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
-        raise invalid(f"first_token {first_token!r} is not in [0, {vocab})")
-    want = [-(-len(prompt_token_ids) // engine.config.block_size), *block_shape(engine)]
-    have_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
-    if list(shape) != want or dtype != have_dtype:
-        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(shape)} {dtype} does not match this "
-                             f"engine's {want} {have_dtype} for a {len(prompt_token_ids)}-token prompt")
+    check_import(engine, prompt_token_ids, [first_token], params, shape, dtype, model_fingerprint)
 
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
@@ -85,37 +75,5 @@ def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     ``model_mismatch``). Returns True if its KV was used, False if it was queued for local recompute (no room).
     ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``.
     ``hold_kv``: keep its blocks after it finishes (for write-back; see ``LLMEngine.release_held``)."""
-    if request_id in engine.requests:
-        raise invalid(f"duplicate request id {request_id!r}")
-    bs = engine.config.block_size
-    check_handoff(engine, prompt_token_ids, first_token, params, list(kv.shape),
-                  str(kv.dtype).removeprefix("torch."), model_fingerprint)
-    req = Request(request_id, prompt_token_ids, params, block_size=bs, model_fingerprint=engine.fingerprint,
-                  cache_salt=cache_salt)
-    req.hold_kv = hold_kv
-    if engine.tokenizer is not None:
-        req.detokenizer = engine.tokenizer.incremental_decoder()
-    req.stats.first_token_time = req.stats.arrival_time
-    req.stats.token_times.append(req.stats.arrival_time)
-    req.append_token(first_token)
-    if req.detokenizer is not None:
-        req.output_text = req.detokenizer.feed(first_token)
-    engine.requests[request_id] = req
-    bm, sched = engine.block_manager, engine.scheduler
-    hits, num_cached = bm.get_computed_blocks(req)
-    num_cached = min(num_cached, len(prompt_token_ids))
-    hits = hits[:num_cached // bs]
-    new_ids = None
-    if len(sched.running) < sched.max_num_seqs:
-        new_ids = bm.allocate_slots(req, len(prompt_token_ids) - len(hits) * bs, hits)
-    if new_ids is None:
-        sched.add(req)  # recompute locally when there is room; exact, just slower
-        return False
-    kv_cache = engine.kv_cache
-    kv_cache[torch.tensor(new_ids, dtype=torch.long, device=kv_cache.device)] = kv[len(hits):].to(kv_cache)
-    req.num_computed_tokens = len(prompt_token_ids)
-    req.status = RequestStatus.RUNNING
-    req.stats.first_scheduled_time = time.perf_counter()
-    req.stats.num_cached_tokens = len(hits) * bs
-    sched.running.append(req)
-    return True
+    return import_running(engine, request_id, prompt_token_ids, [first_token], params, kv, cache_salt, hold_kv,
+                          model_fingerprint=model_fingerprint)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shared.engine import kv_handoff, kv_tier
+from shared.engine import kv_handoff, kv_tier, migration
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
@@ -50,6 +50,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.held: dict[str, Request] = {}  # finished hold_kv requests whose blocks are still allocated
+        self.detached: dict[str, Request] = {}  # running requests taken out of the batch to migrate (migration.py)
         self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
         # what determines this engine's KV (shared/model/fingerprint.py): in every block hash and hand-off
         self.fingerprint = model_fingerprint(model, tokenizer, config.block_size)
@@ -133,6 +134,22 @@ class LLMEngine:
         return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt,
                                            hold_kv, model_fingerprint=model_fingerprint)
 
+    # -- live migration (running request -> another decode worker; see shared/engine/migration.py) ------
+    def detach(self, request_id: str) -> migration.Detached:
+        return migration.detach(self, request_id)
+
+    def reattach(self, request_id: str) -> None:
+        migration.reattach(self, request_id)
+
+    def drop_detached(self, request_id: str) -> None:
+        migration.drop_detached(self, request_id)
+
+    def import_running(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                       params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
+                       model_fingerprint: str, generator_state: bytes = b"") -> bool:
+        return migration.import_running(self, request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt,
+                                        hold_kv, model_fingerprint=model_fingerprint, generator_state=generator_state)
+
     # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
     def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:
         return kv_tier.missing_blocks(self, prompt_token_ids, cache_salt)
@@ -155,6 +172,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.detached.pop(request_id, None)
         self.scheduler.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         return True

@@ -132,7 +132,7 @@ def _instance(role: str, instance: str, tenants: Sequence[str]) -> Permissions:
            S.KV_PULL_ALL: S.kv_pulls_of(instance),
            S.cache_all("put"): S.cache_puts(instance),
            **{S.cache_all(op): S.cache(op, instance) for op in S.CACHE_OPS if op != "put"},
-           **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats")}}
+           **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats", "migrate")}}
     return Permissions(publish=tuple(pub.get(s, s) for s in base.publish),
                        subscribe=tuple(sub.get(s, s) for s in base.subscribe), allow_responses=base.allow_responses)
 
@@ -150,9 +150,9 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         clients = ["client", *(tenant_user(t) for t in tenants)]
         return _service(user,
                         publish=(S.PREFILL_ALL, S.DECODE_ALL, S.WORK_CANCEL, S.ctl_all("kv_snapshot"),
-                                 S.ctl_all("probe"), *(S.inbox_all(c) for c in clients)),
+                                 S.ctl_all("probe"), S.ctl_all("migrate"), *(S.inbox_all(c) for c in clients)),
                         subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.HELD,
-                                   S.HELD_TENANTS, S.LOAD_ALL, S.KV_EVENTS))
+                                   S.HELD_TENANTS, S.LOAD_ALL, S.KV_EVENTS, S.ctl_all("migrate")))
     if user in ("prefill", "decode"):
         worker_sub = (S.WORK_CANCEL, S.ctl_all("kv_snapshot"), S.ctl_all("probe"),
                       S.KV_PULL_ALL,  # serve staged transfers (hand-offs, tier write-backs)
@@ -161,7 +161,8 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
                       S.inbox_all("router"))  # TokenChunks to PrefillRequest/DecodeLocalRequest.reply_to
         if user == "prefill":
             return _service(user, publish=(*worker_pub, S.DECODE_ALL), subscribe=(S.PREFILL_ALL, *worker_sub))
-        return _service(user, publish=(*worker_pub, S.DRAFT_ALL), subscribe=(S.DECODE_ALL, *worker_sub))
+        return _service(user, publish=(*worker_pub, S.DRAFT_ALL, S.DECODE_ALL),  # live migration hand-offs
+                        subscribe=(S.DECODE_ALL, S.ctl_all("migrate"), *worker_sub))
     if user == "draft":
         return _service(user, publish=(), subscribe=(S.DRAFT_ALL,))
     if user == "cache-tier":

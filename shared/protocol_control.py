@@ -34,6 +34,23 @@ class RequestProbe(WireModel):
         _check_id("request_id", self.request_id)
 
 
+@wire_message(MAX_CONTROL_BYTES)
+class MigrateRequest(WireModel):
+    """Move a running stream to another decode worker (live migration). Router -> the decode worker running
+    ``request_id`` on ``subjects.ctl(worker, "migrate")``: hand it to ``target`` over ``transport``; the reply
+    (an ``Ack`` naming the target, or an ``ErrorReply``) comes once the target runs it, or the source runs it
+    again. Operator -> router on ``subjects.ctl(router, "migrate")``: ``request_id`` is the client's, ``target``
+    may be "" (the router picks the least loaded decode worker of the stream's build), ``transport`` is ""."""
+    request_id: str
+    target: str = ""
+    transport: str = ""
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id)
+        if self.target:
+            _check_worker("target", self.target)
+        _check_id("transport", self.transport, allow_empty=True)
+
 
 @wire_message(MAX_CONTROL_BYTES)
 class LoadReport(WireModel):

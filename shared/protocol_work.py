@@ -18,6 +18,7 @@ from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_s
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_PROMPT_TOKENS = 1_000_000
+MAX_GENERATOR_STATE_BYTES = 16 << 10  # a CPU torch.Generator's state is 5,056 bytes
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
           "int64", "int32", "int16", "int8", "uint8")
 
@@ -89,7 +90,11 @@ class KVHandoff(WireModel, _SamplingChecks):
     """Prefill worker -> decode worker: KV of ``num_blocks`` blocks of ``block_shape`` / ``dtype``, computed by
     the build ``model_fingerprint``, is available through ``transport`` / ``handle``; decoding continues after
     ``first_token``. A decode worker of another build (or a hand-off naming none) refuses it before fetching
-    anything (``model_mismatch``: the router re-places the request)."""
+    anything (``model_mismatch``: the router re-places the request).
+
+    Live migration (decode worker -> decode worker) is the same message for a stream already under way: the KV
+    covers ``prompt_token_ids + prior_output_ids``, ``first_token`` is the newest output token (no KV yet), the
+    target's first chunk is ``first_seq`` and a seeded request's sampler continues from ``generator_state``."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
     first_token: int
@@ -110,10 +115,19 @@ class KVHandoff(WireModel, _SamplingChecks):
     deadline_s: float = 3600.0      # seconds left of the request's deadline (the PrefillRequest's, less prefill)
     router_id: str = ""             # as in PrefillRequest, forwarded
     router_instance: str = ""
+    prior_output_ids: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)  # migration
+    generator_state: bytes = b""    # a seeded request's sampler state after its last draw ("" = fresh)
+    first_seq: int = 1              # seq of the first chunk this hand-off's decode worker publishes
 
     def _check(self) -> None:
         self._check_common()
         _check_range("first_token", self.first_token, 0)
+        _check_tokens("prior_output_ids", self.prior_output_ids, allow_empty=True)
+        _require(len(self.prompt_token_ids) + len(self.prior_output_ids) <= MAX_PROMPT_TOKENS,
+                 f"fields 'prompt_token_ids' + 'prior_output_ids': more than {MAX_PROMPT_TOKENS} tokens")
+        _require(len(self.generator_state) <= MAX_GENERATOR_STATE_BYTES,
+                 f"field 'generator_state': more than {MAX_GENERATOR_STATE_BYTES} bytes")
+        _check_range("first_seq", self.first_seq, 1)
         _check_range("num_blocks", self.num_blocks, 0)
         _require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")

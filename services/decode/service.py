@@ -14,19 +14,27 @@ import asyncio
 import logging
 import time
 
+from services.decode.migration import MIGRATING, MigrationDesk
 from shared import protocol, subjects
+from shared.engine.migration import check_import
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import handle_meta
 from shared.metrics.common import OUTCOME_FINISHED
-from shared.metrics.worker import FINISH_REASONS
+from shared.metrics.worker import FINISH_REASONS, OUTCOME_MIGRATED
 from shared.worker import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 
 
+async def _nothing() -> None:
+    """A hand-off's prompt blocks were written back by its prefill worker: a migration adds none."""
+
+
 class DecodeService(Worker):
     async def serve_handlers(self) -> None:
+        self.desk = MigrationDesk(self)
         await self.runtime.serve(subjects.decode(self.config.worker_id), self.on_message)
+        await self.runtime.serve(subjects.ctl(self.config.worker_id, "migrate"), self.desk.on_migrate, work=False)
 
     async def on_message(self, msg) -> None:
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest))
@@ -42,8 +50,9 @@ class DecodeService(Worker):
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {[req.num_blocks, *req.block_shape]}"
                                      f" {req.dtype} disagrees with its handle {shape} {dtype}")
             # before any allocation or fetch: a bad hand-off (or another build's KV) is refused here
-            eng.check_handoff(req.prompt_token_ids, req.first_token, params, shape, req.dtype,
-                              model_fingerprint=req.model_fingerprint)
+            outputs = [*req.prior_output_ids, req.first_token]  # one token, or a migrating stream's all
+            check_import(eng, req.prompt_token_ids, outputs, params, shape, req.dtype, req.model_fingerprint,
+                         req.generator_state)
         else:
             eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
@@ -67,11 +76,11 @@ class DecodeService(Worker):
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
                 kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
-                submit = lambda: eng.import_prefilled(rid, req.prompt_token_ids, req.first_token, params, kv,
-                                                      req.cache_salt, hold_kv=hold,
-                                                      model_fingerprint=req.model_fingerprint)
-                seq, extra = 1, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
-                                 "tier_cached_tokens": req.tier_cached_tokens}
+                submit = lambda: eng.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
+                                                    hold_kv=hold, model_fingerprint=req.model_fingerprint,
+                                                    generator_state=req.generator_state)
+                seq, extra = req.first_seq, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
+                                             "tier_cached_tokens": req.tier_cached_tokens}
             else:
                 await ack()  # accepted now: an engine step in progress may take seconds to end
                 pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
@@ -81,24 +90,33 @@ class DecodeService(Worker):
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
             try:
                 async with asyncio.timeout_at(deadline):
-                    async for out in self.aengine.run(rid, submit, params.max_tokens + 1,
-                                                      ack if handoff else None):
-                        if out.finished:
-                            outcome = (OUTCOME_FINISHED if out.finish_reason in FINISH_REASONS
-                                       else ErrorCode.INTERNAL.value)
-                            if not handoff:
-                                extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
-                                                                  out.num_cached_tokens)
-                                self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
-                                                         extra["tier_cached_tokens"])
-                                # blocks it found cached (device prefix cache, tier) were written back by whoever
-                                # computed them: only what this request computed goes to the tier
-                                written_from = out.num_cached_tokens // eng.config.block_size
-                            await self.publish_output(req.reply_to, seq, out, extra)
-                            await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
-                        else:
-                            await self.publish_output(req.reply_to, seq, out)
-                        seq += 1
+                    on_admitted = ack if handoff else None
+                    while submit is not None:  # once, or again after a migration that did not happen
+                        async for out in self.aengine.run(rid, submit, params.max_tokens + 1, on_admitted):
+                            submit = on_admitted = None
+                            if out.finish_reason == MIGRATING:  # every chunk before it is published: seq is next
+                                submit = await self.desk.hand_over(req, seq, extra, deadline, lambda cached: (
+                                    self.tier_write_back(rid, cached // eng.config.block_size, req.cache_salt,
+                                                         req.retention) if not handoff else _nothing()))
+                                outcome = OUTCOME_MIGRATED if submit is None else outcome
+                                hold = hold and submit is not None
+                                continue
+                            if out.finished:
+                                outcome = (OUTCOME_FINISHED if out.finish_reason in FINISH_REASONS
+                                           else ErrorCode.INTERNAL.value)
+                                if not handoff:
+                                    extra["tier_cached_tokens"] = min(sum(imported) * eng.config.block_size,
+                                                                      out.num_cached_tokens)
+                                    self.metrics.prompt_done(out.num_prompt_tokens, out.num_cached_tokens,
+                                                             extra["tier_cached_tokens"])
+                                    # blocks it found cached (device prefix cache, tier) were written back by
+                                    # whoever computed them: only what this request computed goes to the tier
+                                    written_from = out.num_cached_tokens // eng.config.block_size
+                                await self.publish_output(req.reply_to, seq, out, extra)
+                                await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
+                            else:
+                                await self.publish_output(req.reply_to, seq, out)
+                            seq += 1
             except TimeoutError:
                 raise DeepinferError(ErrorCode.TIMEOUT, f"the request's deadline passed after {seq} chunks") from None
         except DeepinferError as err:

@@ -14,6 +14,9 @@ stream with no gap or duplicate
 (greedy output is exactly the uninterrupted one; a sampled continuation draws afresh from the same
 distribution). Every other error ends the stream with that error.
 
+A live migration (``services/router/migration.py``) moves an attempt to another decode worker without ending
+it: the new worker continues the attempt's chunk numbering, and the attempt watches it from then on.
+
 Model builds: every attempt runs on workers of one model fingerprint (``services/router/models.py``); a
 stream's continuations stay on the build of its first attempt while that build has a decode worker, so its
 tokens come from one build and no KV ever crosses builds.
@@ -67,12 +70,32 @@ class Stream:
     failed_workers: set[str] = dataclasses.field(default_factory=set)  # not placed on again by this stream
     fingerprint: str | None = None  # the model build of its first attempt: continuations stay on it
     resumed: bool = False  # a client's resume after its router died: ``delivered`` came with the request
+    attempt: Attempt | None = None  # the attempt under way (None between attempts)
+    migrations: int = 0  # live migrations between decode workers so far
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
         """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
         return {**usage, "prompt_tokens": self.prompt_len, "completion_tokens": completion_tokens,
                 "ttft_ms": (self.ttft_s or 0.0) * 1000.0, "failovers": failovers,
-                **({"resumed": 1} if self.resumed else {})}
+                **({"resumed": 1} if self.resumed else {}), **({"migrations": self.migrations} if self.migrations
+                                                              else {})}
+
+
+@dataclasses.dataclass(slots=True)
+class Attempt:
+    """One attempt under way: its work id and the workers running it now (a live migration moves it to another
+    decode worker: ``services/router/migration.py``)."""
+    work_id: str
+    prefill_w: WorkerState | None
+    decode_w: WorkerState
+    account: InflightAccount
+    transport: str | None
+    decoding: bool = False  # the decode worker streams: its running KV can move
+    migrating: bool = False
+
+    @property
+    def worker_ids(self) -> set[str]:
+        return {w.report.worker_id for w in (self.prefill_w, self.decode_w) if w is not None}
 
 
 class Relay:
@@ -87,8 +110,16 @@ class Relay:
         self.on_failover = on_failover
         self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
         self.stall_probe_s = stall_probe_s
+        self.live: dict[str, Stream] = {}  # client request id -> its stream, while this router relays it
 
     async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
+        self.live[stream.rid] = stream
+        try:
+            await self._serve(req, prompt, stream)
+        finally:
+            self.live.pop(stream.rid, None)
+
+    async def _serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
         attempt = 0
         while True:
             try:
@@ -127,6 +158,7 @@ class Relay:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
         account = InflightAccount(prefill_w, decode_w, len(prompt))
+        stream.attempt = Attempt(work_id, prefill_w, decode_w, account, transport)
         finished = False
         try:
             deadline_s = stream.deadline - time.monotonic()
@@ -144,8 +176,9 @@ class Relay:
                                                    retention=req.retention, model_fingerprint=build,
                                                    router_id=self.router_id, router_instance=self.router_instance)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, stream, work_id, prefill_w, decode_w, account.prefill_done, attempt)
+            finished = await self._relay(sub, stream, stream.attempt, attempt)
         finally:
+            stream.attempt = None
             account.close()
             await sub.unsubscribe()
             if not finished:  # stop whatever the workers are still doing for this attempt
@@ -177,8 +210,7 @@ class Relay:
                 raise AttemptFailed(err.code, f"worker {wid} refused: {err.message}", {wid})
             raise err
 
-    async def _relay(self, sub, stream: Stream, work_id: str, prefill_w, decode_w, on_first_token,
-                     attempt: int) -> bool:
+    async def _relay(self, sub, stream: Stream, att: Attempt, attempt: int) -> bool:
         """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
 
         The attempt's workers number its chunks 0, 1, 2, ... (the prefill worker's first token is 0); a gap, or
@@ -186,7 +218,7 @@ class Relay:
         NATS restart), fails the attempt without blaming a worker, and so does a worker that stops
         heartbeating (that one is avoided): the stream continues from what the client already has."""
         expected, got_token = 0, False
-        workers = {w.report.worker_id for w in (prefill_w, decode_w) if w is not None}
+        work_id = att.work_id
         watch = _StallWatch(self, work_id, self.stall_probe_s)
         while True:
             remaining = stream.deadline - time.monotonic()
@@ -197,7 +229,7 @@ class Relay:
             except asyncio.TimeoutError:
                 # the prefill worker matters until the decode worker's first chunk (seq 1): after its own first
                 # token it still stages and hands off the KV
-                watched = [decode_w] + ([prefill_w] if prefill_w is not None and expected <= 1 else [])
+                watched = [att.decode_w] + ([att.prefill_w] if att.prefill_w is not None and expected <= 1 else [])
                 for w in watched:
                     if not self.table.is_alive(w.report.worker_id):
                         raise AttemptFailed(ErrorCode.WORKER_LOST, f"worker {w.report.worker_id} stopped "
@@ -208,14 +240,15 @@ class Relay:
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
             if chunk.error is not None and chunk.error.get("code") in RETRYABLE_CODES:
                 # partner lost, hand-off failed, handed back by a draining worker: another pair may serve it
-                raise AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""), workers)
+                raise AttemptFailed(ErrorCode(chunk.error["code"]), chunk.error.get("message", ""), att.worker_ids)
             if chunk.error is None and chunk.seq != expected:
                 raise AttemptFailed(ErrorCode.WORKER_LOST, f"chunk {expected} of {work_id} was lost in transit "
                                     f"(got {chunk.seq})", set())
             expected += 1
+            att.decoding = expected >= (2 if att.prefill_w is not None else 1)
             if chunk.token_ids and not got_token:
                 got_token = True
-                on_first_token()
+                att.account.prefill_done()
                 if stream.ttft_s is None:
                     stream.ttft_s = time.monotonic() - stream.t0
             usage = chunk.usage

@@ -35,6 +35,7 @@ from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.http_api import HttpApi
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placer
+from services.router.migration import Migrator
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, TenantLimit
@@ -63,6 +64,7 @@ class RouterService(Service):
         self.nc = None
         self.runtime: ServiceRuntime | None = None
         self.relay: Relay | None = None
+        self.migrator: Migrator | None = None
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
         self.owners: dict[str, tuple[str, str | None]] = {}  # client request id -> (its API, its tenant or None)
         self.http: HttpApi | None = None
@@ -84,6 +86,7 @@ class RouterService(Service):
         self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
                            on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance))
+        self.migrator = Migrator(self.nc, self.relay, self.table)
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
@@ -93,6 +96,7 @@ class RouterService(Service):
         await self.runtime.serve(subjects.HELD, self.on_held, work=False)
         await self.runtime.serve(subjects.HELD_TENANTS, self.on_held, work=False)
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
+        await self.runtime.serve(subjects.ctl(c.worker_id, "migrate"), self.migrator.on_migrate, work=False)
         self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
         self.runtime.spawn(self._sweep_loop())
@@ -262,7 +266,8 @@ class RouterService(Service):
                  "workers": {wid: {"role": s.report.role, "alive": self.table.is_alive(wid),
                                    "draining": s.report.draining, "model_fingerprint": s.report.model_fingerprint}
                              for wid, s in self.table.workers.items()},
-                 "serving_fingerprint": self.placer.model.fingerprint, "errors": dict(self.runtime.error_counts)}
+                 "serving_fingerprint": self.placer.model.fingerprint, "errors": dict(self.runtime.error_counts),
+                 "migrations": {"done": self.migrator.done, "failed": self.migrator.failed}}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
                                                               stats=stats)))
 

@@ -94,6 +94,14 @@ class InflightAccount:
         self.prefilling.inflight_tokens -= self.pending_tokens
         self.pending_tokens = 0
 
+    def move(self, old: WorkerState, new: WorkerState) -> None:
+        """The request now runs on ``new`` instead of ``old`` (a live migration)."""
+        if old in self.placed:
+            self.placed.remove(old)
+            old.inflight -= 1
+            self.placed.append(new)
+            new.inflight += 1
+
     def close(self) -> None:
         self.prefill_done()
         for w in self.placed:

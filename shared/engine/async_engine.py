@@ -127,6 +127,14 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     # -- requests -------------------------------------------------------------------------------------
+    def end_stream(self, out: RequestOutput) -> None:
+        """Deliver a final ``out`` that the engine did not produce (a request detached for migration) after
+        every output already dispatched for its request, and close that request's stream. Call on the loop,
+        after the engine command that stopped the request returned (its earlier outputs are queued by then)."""
+        stream = self._streams.pop(out.request_id, None)
+        if stream is not None:
+            stream.put_nowait(out)
+
     def open_stream(self, request_id: str, max_outputs: int) -> asyncio.Queue[RequestOutput]:
         if request_id in self._streams:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id!r}")

@@ -71,9 +71,9 @@ def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_sal
 
 
 def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[int], BlockChain, list[int]]:
-    """``(block_ids, chain, token_ids)`` of a held request's computed full blocks from index ``first`` on;
-    ``token_ids`` is flat, ``block_size`` per block."""
-    req = engine.held.get(request_id)
+    """``(block_ids, chain, token_ids)`` of a held (or detached, migrating) request's computed full blocks from
+    index ``first`` on; ``token_ids`` is flat, ``block_size`` per block."""
+    req = engine.held.get(request_id) or engine.detached.get(request_id)
     if req is None:
         raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
     bs = engine.config.block_size

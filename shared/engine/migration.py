@@ -30,11 +30,10 @@ import torch
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.protocol_work import MAX_GENERATOR_STATE_BYTES
 
 if TYPE_CHECKING:
     from shared.engine.llm_engine import LLMEngine
-
-MAX_GENERATOR_STATE_BYTES = 16 << 10  # a CPU torch.Generator's state is 5,056 bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ Two kinds, one registry per worker:
   client's counters, speculative decoding's counters, handler errors. Nothing is counted twice.
 
 Invariants: every request ``request_started`` saw is counted exactly once by ``request_ended`` under one
-outcome (``finished``, ``handed_off`` for a prefill whose KV went to a decode worker, ``cancelled``, or the
+outcome (``finished``, ``handed_off`` for a prefill whose KV went to a decode worker, ``migrated`` for a decode
+stream moved to another decode worker, ``cancelled``, or the
 error code that ended it); TTFT is observed only by the worker that streamed seq 0 (the prefill worker, or a
 decode worker prefilling locally), from the request's arrival at this worker; E2E only by the worker that sent
 the final chunk of a finished request (worker-local: a hand-off's E2E excludes the prefill); TPOT is the
@@ -31,6 +32,7 @@ from shared.metrics.common import (E2E_BUCKETS, OUTCOME_FINISHED, TPOT_BUCKETS, 
 
 P = "deepinfer_worker"
 OUTCOME_HANDED_OFF = "handed_off"
+OUTCOME_MIGRATED = "migrated"  # a decode worker's running stream moved to another decode worker
 FINISH_REASONS = ("stop", "length")  # an engine output finished with these is a served request
 
 
@@ -76,7 +78,7 @@ class WorkerMetrics:
         """Count the request once under ``outcome``; a request never started here is ignored."""
         if self._started.pop(request_id, None) is None:
             return
-        label = outcome if outcome == OUTCOME_HANDED_OFF else outcome_label(outcome)
+        label = outcome if outcome in (OUTCOME_HANDED_OFF, OUTCOME_MIGRATED) else outcome_label(outcome)
         self._requests.labels(**self.labels, outcome=label).inc()
 
     def output(self, request_id: str, seq: int, num_tokens: int, finish_reason: str | None,
@@ -102,7 +104,8 @@ class WorkerMetrics:
         self.prompt_tier_tokens.inc(max(0, min(tier_tokens, cached_tokens)))
 
     def handoff(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
-        """One KV hand-off; ``direction``: ``sent`` (prefill side) or ``received`` (decode side)."""
+        """One KV hand-off; ``direction``: ``sent`` (prefill side), ``received`` (decode side) or ``migrated``
+        (a decode worker's running stream, sent to another decode worker)."""
         labels = {**self.labels, "transport": self._transport(transport), "direction": direction}
         self._handoff_bytes.labels(**labels).inc(max(0, nbytes))
         self._handoff_seconds.labels(**labels).observe(max(0.0, seconds))
@@ -191,4 +194,4 @@ def speculative_metrics(lb: dict[str, str], spec: Any):
                       drafter.waited_s)
 
 
-__all__ = ["OUTCOME_FINISHED", "OUTCOME_HANDED_OFF", "WorkerCollector", "WorkerMetrics"]
+__all__ = ["OUTCOME_FINISHED", "OUTCOME_HANDED_OFF", "OUTCOME_MIGRATED", "WorkerCollector", "WorkerMetrics"]

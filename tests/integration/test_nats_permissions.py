@@ -39,7 +39,7 @@ SPOOFS = {  # user -> subjects it must not publish on
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
                 subjects.load("d", "decode")],
-    "decode": [subjects.prefill("p"), subjects.decode("d"), subjects.GENERATE, "_INBOX.client.x",
+    "decode": [subjects.prefill("p"), subjects.GENERATE, "_INBOX.client.x",
                subjects.load("p", "prefill"), subjects.load("c", "cache_tier")],
     # an instance user is bound to its id: no heartbeat, registry entry or cache put under another
     "decode.decode-0": [subjects.load("decode-1", "decode"), subjects.cache_put("cache-0", "decode-1"),
@@ -248,6 +248,8 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("decode.decode-0", "cache-tier.cache-0", subjects.kv_pull("cache-0", "g3"), True),   # a worker pulls a get
     ("router.router", "cache-tier.cache-0", subjects.ctl("cache-0", "kv_snapshot"), True),
     ("decode.decode-0", "router.router", subjects.load("decode-0", "decode"), False),
+    ("router.router", "decode.decode-0", subjects.ctl("decode-0", "migrate"), True),      # live migration
+    ("decode", "decode.decode-0", subjects.decode("decode-0"), True),                     # the moved stream
     *((s, "router", subjects.kv_events(f"{s}-0"), False) for s in ("prefill", "decode", "cache-tier")),
     ("decode.decode-0", "router.router", subjects.kv_events("decode-0"), False),
 ]

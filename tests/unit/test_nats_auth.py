@@ -41,7 +41,7 @@ def test_only_the_owning_roles_publish_control_traffic():
     assert publishers(subjects.LOAD_ALL) == set()
     assert publishers(subjects.KV_EVENTS) == {"prefill", "decode", "cache-tier"}
     assert publishers(subjects.PREFILL_ALL) == {"router"}
-    assert publishers(subjects.DECODE_ALL) == {"router", "prefill"}  # dispatch; the KV hand-off
+    assert publishers(subjects.DECODE_ALL) == {"router", "prefill", "decode"}  # dispatch; hand-off; migration
     assert publishers(subjects.DRAFT_ALL) == {"decode"}
     assert publishers(subjects.KV_PULL_ALL) == {"prefill", "decode", "cache-tier"}
     assert publishers(subjects.cache_all("put")) == publishers(subjects.cache_all("get")) == {"prefill", "decode"}
@@ -49,6 +49,7 @@ def test_only_the_owning_roles_publish_control_traffic():
     assert publishers(subjects.WORK_CANCEL) == {"router"}       # ... which alone tells workers
     assert publishers(subjects.GENERATE) == {"client"}
     assert publishers(subjects.ctl_all("probe")) == publishers(subjects.ctl_all("kv_snapshot")) == {"router"}
+    assert publishers(subjects.ctl_all("migrate")) == {"router"}    # orders to move a stream
     assert publishers(subjects.ctl_all("stats")) == {MONITOR}
     assert publishers(subjects.REGISTRY_KV) == set(SERVICES)
     for api in subjects.REGISTRY_API:

@@ -31,10 +31,12 @@ SAMPLES = {
     "KVHandoff": p.KVHandoff(request_id="r1", prompt_token_ids=[1, 2, 3], first_token=9, sampling=SAMPLING,
                              reply_to="_INBOX.a.b", cache_salt="", num_blocks=1, block_shape=[2, 2, 16, 4, 8],
                              dtype="bfloat16", transport="shm", handle={"name": "/di_shm_1", "offset": 0},
-                             num_cached_tokens=2, ttft_ms=3.0, prefill_worker="prefill-0"),
+                             num_cached_tokens=2, ttft_ms=3.0, prefill_worker="prefill-0",
+                             prior_output_ids=[4, 5], generator_state=b"\x01" * 16, first_seq=3),
     "DecodeLocalRequest": p.DecodeLocalRequest(request_id="r1", prompt_token_ids=[1], sampling=SAMPLING,
                                                reply_to="_INBOX.x"),
     "RequestProbe": p.RequestProbe(request_id="r1~0"),
+    "MigrateRequest": p.MigrateRequest(request_id="r1~0", target="decode-1", transport="stream"),
     "Ack": p.Ack(),
     "ErrorReply": p.ErrorReply(code="overloaded", message="too busy"),
     "LoadReport": p.LoadReport(worker_id="decode-0", role="decode", model_id="m", num_running=2, num_waiting=0,
@@ -95,6 +97,17 @@ def test_uint64_block_hashes():
     for bad in (2**64, -1):
         with pytest.raises(DeepinferError, match="block_hashes"):
             p.KVEvent(worker_id="w", seq=0, kind="removed", block_hashes=[1, bad])
+
+
+def test_a_migration_hand_off_is_bounded():
+    for bad in ({"prior_output_ids": [-1]}, {"generator_state": b"\0" * (17 << 10)}, {"first_seq": 0},
+                {"generator_state": "text"}):
+        with pytest.raises(DeepinferError) as info:
+            p.decode(body(SAMPLES["KVHandoff"], **bad))
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+    for bad in ({"request_id": ""}, {"target": "a.b"}, {"target": "x" * 200}):
+        with pytest.raises(DeepinferError):
+            p.decode(body(SAMPLES["MigrateRequest"], **bad))
 
 
 def test_int_accepted_for_float_and_stored_as_float():

@@ -1,0 +1,143 @@
+"""The source half of a live migration on a decode worker: the router asks on ``ctl(<worker>, "migrate")``
+(``MigrateRequest``: a request this worker runs, a target decode worker, a KV transport).
+
+1. ``on_migrate`` detaches the request at the next step boundary (``LLMEngine.detach``: out of the batch, blocks
+   kept) and ends its engine stream with a ``MIGRATING`` output, after every token it produced.
+2. The request's own handler (``DecodeService.on_message``) has published every chunk before that output, so it
+   knows the next ``seq``: it calls ``hand_over``, which stages the blocks, sends the target a ``KVHandoff`` for
+   the stream under way (prompt + outputs, newest token, generator state, ``first_seq``) and waits for its Ack.
+3. Acked: the target runs the stream (its chunks continue the seq on the same reply subject); the source drops
+   the request and frees its blocks, and the handler ends without a final chunk. Anything else (refusal,
+   timeout, transfer error, the target dying): the request is reattached and decodes on here as if nothing
+   happened. Either way the router's ``MigrateRequest`` is answered (``Ack(detail=target)`` or the error).
+
+Invariants: at most one migration per request at a time; ``max_concurrent`` per worker (more are refused
+``overloaded``); every wait is bounded (``handoff_timeout_s``); the source stops before the target starts. A
+target whose Ack was lost (the source timed out and decodes on) streams the same seqs as the source: to the
+router the second chunk of a seq is out of order, so the attempt fails over from what the client already has
+and both copies are cancelled (``services/router/relay.py``); the client never sees a duplicate.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from shared import protocol, subjects
+from shared.engine.migration import Detached
+from shared.engine.outputs import RequestOutput
+from shared.errors import DeepinferError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+MIGRATING = "migrating"  # the finish reason of the engine output that ends a request's stream for a migration
+
+
+@dataclasses.dataclass(slots=True)
+class _Order:
+    target: str
+    transport: str
+    done: asyncio.Future
+    moved: Detached | None = None
+
+
+class MigrationDesk:
+    """Migrations out of one decode worker (``worker``: its engine, transports, NATS and config)."""
+
+    def __init__(self, worker, max_concurrent: int = 2) -> None:
+        self.worker, self.max_concurrent = worker, max_concurrent
+        self.orders: dict[str, _Order] = {}
+        self.sent = self.failed = 0
+
+    def has_order(self, request_id: str) -> bool:
+        return request_id in self.orders
+
+    async def on_migrate(self, msg) -> None:
+        """``ctl(<worker>, "migrate")``: detach the request, then answer once the hand-over is settled."""
+        req = protocol.decode(msg.data, protocol.MigrateRequest)
+        w, rid = self.worker, req.request_id
+        if rid not in w.active or rid in self.orders:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"{rid!r} is not running here, or already moving")
+        if len(self.orders) >= self.max_concurrent:
+            raise DeepinferError(ErrorCode.OVERLOADED, f"{len(self.orders)} migrations already under way")
+        if req.transport not in w.transports or not req.target or req.target == w.config.worker_id:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"cannot move to {req.target!r} over {req.transport!r}")
+        order = _Order(req.target, req.transport, asyncio.get_running_loop().create_future())
+        self.orders[rid] = order
+        try:
+            order.moved = await w.aengine.call(lambda: w.engine.detach(rid))
+        except BaseException:
+            self.orders.pop(rid, None)
+            raise
+        w.aengine.end_stream(RequestOutput(rid, [], "", True, MIGRATING))
+        try:
+            async with asyncio.timeout(w.config.handoff_timeout_s + 5.0):
+                await asyncio.shield(order.done)
+        except TimeoutError:
+            raise DeepinferError(ErrorCode.TIMEOUT, f"migration of {rid} did not settle") from None
+        finally:
+            self.orders.pop(rid, None)
+        if msg.reply:
+            await msg.respond(protocol.encode(protocol.Ack(detail=order.target)))
+
+    async def hand_over(self, req: protocol.KVHandoff | protocol.DecodeLocalRequest, seq: int, extra: dict,
+                        deadline: float, before_drop: Callable[[int], Awaitable[None]]) -> Callable[[], object] | None:
+        """Send the detached request to its order's target, continuing at chunk ``seq`` with the usage ``extra``
+        so far; ``deadline`` is the request's (loop time). Returns None once the target runs it (the source's
+        copy is gone: ``before_drop(cached_tokens)`` ran first, e.g. the write-back of what this worker
+        prefilled), else the engine command that reattaches it here (the order's error is answered)."""
+        w, rid = self.worker, req.request_id
+        order = self.orders[rid]
+        moved, eng = order.moved, w.engine
+        transport = w.transports[order.transport]
+        tid = f"{rid}-mig"
+        t0 = time.perf_counter()
+        try:
+            handle = await transport.stage_blocks(eng.kv_cache, moved.block_ids, tid)
+            try:
+                handoff = protocol.KVHandoff(
+                    request_id=rid, prompt_token_ids=moved.prompt_token_ids,
+                    prior_output_ids=moved.output_token_ids[:-1], first_token=moved.output_token_ids[-1],
+                    sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt,
+                    num_blocks=len(moved.block_ids), block_shape=list(eng.kv_cache.shape[1:]),
+                    dtype=str(eng.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
+                    num_cached_tokens=min(extra.get("cached_tokens", moved.num_cached_tokens),
+                                          len(moved.prompt_token_ids)),
+                    ttft_ms=extra.get("prefill_ms", 0.0), retention=req.retention,
+                    tier_cached_tokens=min(extra.get("tier_cached_tokens", 0),
+                                           extra.get("cached_tokens", moved.num_cached_tokens),
+                                           len(moved.prompt_token_ids)),
+                    model_fingerprint=eng.fingerprint,
+                    deadline_s=deadline - asyncio.get_running_loop().time(), router_id=req.router_id,
+                    router_instance=req.router_instance, generator_state=moved.generator_state, first_seq=seq)
+                reply = await w.nc.request(subjects.decode(order.target), protocol.encode(handoff),
+                                           timeout=w.config.handoff_timeout_s)
+                protocol.decode_reply(reply.data, protocol.Ack)
+            finally:
+                await transport.release(tid)
+        except Exception as err:  # noqa: BLE001 - refused, timed out, transfer failed: the stream stays here
+            self.failed += 1
+            failure = err if isinstance(err, DeepinferError) else DeepinferError(
+                ErrorCode.TRANSFER_FAILED, f"migration of {rid} to {order.target} failed: {err!r}")
+            logger.warning("[%s] migration to %s failed, decoding on here: %s", rid, order.target, failure)
+            _settle(order.done, failure)
+            return lambda: eng.reattach(rid)
+        await before_drop(moved.num_cached_tokens)
+        await w.aengine.call(lambda: eng.drop_detached(rid))
+        self.sent += 1
+        w.metrics.handoff(order.transport, "migrated", int(handle.get("nbytes", 0)), time.perf_counter() - t0)
+        logger.info("[%s] migrated to %s at chunk %d (%d tokens)", rid, order.target, seq,
+                    len(moved.prompt_token_ids) + len(moved.output_token_ids))
+        _settle(order.done, None)
+        return None
+
+
+def _settle(done: asyncio.Future, err: BaseException | None) -> None:
+    if not done.done():
+        if err is None:
+            done.set_result(None)
+        else:
+            done.set_exception(err)
+

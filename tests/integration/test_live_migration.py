@@ -1,0 +1,143 @@
+"""Live migration of running streams between decode workers (issue 20), through the real router and workers
+over a real nats-server: streams moved mid-decode go on exactly (greedy tokens equal the single-process
+engine's; a seeded sampled stream equals its unmigrated twin), seq gap-free, no token twice, usage counts the
+migration, the source frees the blocks; a migration that fails mid-way leaves the stream decoding where it was."""
+import asyncio
+
+import pytest
+
+from shared import protocol, subjects
+from shared.client import generate, generate_stream
+from shared.errors import DeepinferError, ErrorCode
+from tests.integration.conftest import connect
+from tests.integration.services_harness import (InProcessCluster, all_blocks_free, fault_first_call,
+                                                reference_outputs, wait_until)
+from tests.model_factory import write_tiny_hf_folder
+
+TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=512)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(11 * i + 7 * j) % 250 + 3 for j in range(20 + 3 * i)] for i in range(n)]
+
+
+def request(prompt, rid: str, **kw) -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(prompt_token_ids=prompt, request_id=rid, max_tokens=kw.pop("max_tokens", TOKENS),
+                                    temperature=kw.pop("temperature", 0.0), ignore_eos=True, timeout_s=120.0,
+                                    prefill_mode="remote", **kw)
+
+
+async def collect(nc, req, started: asyncio.Event | None = None, after: int = 4):
+    """The stream's chunks; ``started`` is set once ``after`` tokens arrived."""
+    chunks, seen = [], 0
+    async for chunk in generate_stream(nc, req):
+        chunks.append(chunk)
+        seen += len(chunk.token_ids)
+        if started is not None and seen >= after:
+            started.set()
+    return chunks
+
+
+async def ask_router(nc, cluster, rid: str, target: str = "") -> protocol.Ack:
+    reply = await nc.request(subjects.ctl(cluster.router.config.worker_id, "migrate"),
+                             protocol.encode(protocol.MigrateRequest(request_id=rid, target=target)), timeout=30)
+    return protocol.decode_reply(reply.data, protocol.Ack)
+
+
+async def test_half_of_the_streams_move_mid_decode_and_stay_exact(nats_server, folder):
+    ps = prompts(8)
+    expected = reference_outputs(folder, ps, TOKENS)
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream") as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            started = [asyncio.Event() for _ in ps]
+            tasks = [asyncio.create_task(collect(nc, request(p, f"m{i}"), started[i])) for i, p in enumerate(ps)]
+            for i in range(0, len(ps), 2):
+                await asyncio.wait_for(started[i].wait(), 30)
+            acks = [await ask_router(nc, cluster, f"m{i}") for i in range(0, len(ps), 2)]  # ≤ 2 per worker at once
+            results = await asyncio.gather(*tasks)
+        finally:
+            await nc.close()
+        assert all(a.detail.startswith("decode-") for a in acks)
+        for i, chunks in enumerate(results):
+            assert [c.seq for c in chunks] == list(range(len(chunks)))         # gap-free, each once
+            assert [t for c in chunks for t in c.token_ids] == expected[i], f"stream {i} diverged"
+            assert chunks[-1].usage.get("migrations", 0) == (1 if i % 2 == 0 else 0), chunks[-1].usage
+        desks = [w.desk for w in cluster.workers if hasattr(w, "desk")]
+        assert sum(d.sent for d in desks) == len(ps) // 2 and sum(d.failed for d in desks) == 0
+        assert cluster.router.migrator.done == len(ps) // 2
+        assert await wait_until(lambda: all_blocks_free(cluster))          # the sources freed what moved
+
+
+async def test_a_seeded_sampled_stream_equals_its_unmigrated_twin(nats_server, folder):
+    prompt = prompts(1)[0]
+    sampled = {"temperature": 0.8, "seed": 4321, "top_k": 50}
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="stream") as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            twin = (await generate(nc, request(prompt, "twin", **sampled)))[0]
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompt, "moved", **sampled), started, after=10))
+            await asyncio.wait_for(started.wait(), 30)
+            await ask_router(nc, cluster, "moved")
+            chunks = await task
+        finally:
+            await nc.close()
+    assert [t for c in chunks for t in c.token_ids] == twin and chunks[-1].usage["migrations"] == 1
+
+
+async def test_a_migration_that_fails_mid_way_leaves_the_stream_where_it_was(nats_server, folder, monkeypatch):
+    """The target refuses the hand-off (a transport error injected on its fetch): the source reattaches the
+    sequence and finishes it, nothing lost; the router answers the order with the error."""
+    prompt = prompts(2)[1]
+    expected = reference_outputs(folder, [prompt], TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="stream") as cluster:
+        transports = [w.transports["stream"] for w in cluster.workers]
+
+        async def broken(transport):
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: the link broke mid-copy")
+        nc = await connect(nats_server.url)
+        try:
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompt, "f"), started, after=6))
+            await asyncio.wait_for(started.wait(), 30)
+            hit = fault_first_call(monkeypatch, transports, "fetch", broken)
+            with pytest.raises(DeepinferError) as info:
+                await ask_router(nc, cluster, "f")
+            chunks = await task
+        finally:
+            await nc.close()
+        assert hit and info.value.code == ErrorCode.TRANSFER_FAILED
+        assert [t for c in chunks for t in c.token_ids] == expected and "migrations" not in chunks[-1].usage
+        assert sum(w.desk.failed for w in cluster.workers if hasattr(w, "desk")) == 1
+        assert cluster.router.migrator.failed == 1
+        assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_orders_that_cannot_be_served_are_refused(nats_server, folder):
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            with pytest.raises(DeepinferError) as info:
+                await ask_router(nc, cluster, "nobody")
+            assert info.value.code == ErrorCode.INVALID_REQUEST
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompts(1)[0], "alone"), started))
+            await asyncio.wait_for(started.wait(), 30)
+            with pytest.raises(DeepinferError) as info:          # one decode worker: nowhere to go
+                await ask_router(nc, cluster, "alone")
+            assert info.value.code == ErrorCode.UNAVAILABLE
+            assert len([t for c in await task for t in c.token_ids]) == TOKENS
+            worker = cluster.workers[-1]                          # a worker refuses an order for a stranger
+            reply = await nc.request(subjects.ctl(worker.config.worker_id, "migrate"), protocol.encode(
+                protocol.MigrateRequest(request_id="stranger", target="decode-9", transport="shm")), timeout=5)
+            with pytest.raises(DeepinferError) as info:
+                protocol.decode_reply(reply.data, protocol.Ack)
+            assert info.value.code == ErrorCode.INVALID_REQUEST
+        finally:
+            await nc.close()

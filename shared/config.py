@@ -117,6 +117,11 @@ class RouterConfig:
     http_port: int = 8000  # 0 = any free port (logged), -1 = no HTTP
     api_keys: str = dataclasses.field(default="", repr=False)  # "key=tenant,..." or @file: HTTP needs a key; its tenant salts the cache
     user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
+    migrate_on_drain: bool = True  # move the streams of a draining decode worker (live migration) instead of
+    # letting them be handed back and prefilled again elsewhere
+    migrate_kv_high: float = 0.9  # a decode worker this full moves a stream to one below migrate_kv_low (> 1: off)
+    migrate_kv_low: float = 0.6
+    migrate_cooldown_s: float = 10.0  # a stream that moved stays put this long (no ping-pong)
 
     def __post_init__(self) -> None:
         _check_cluster_fields(self)
@@ -129,7 +134,8 @@ class RouterConfig:
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
                 or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
                 or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
-                or self.tenant_max_inflight < 0 or self.dispatch_window < -1):
+                or self.tenant_max_inflight < 0 or self.dispatch_window < -1
+                or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0):
             raise ValueError("invalid router config")
         parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:

@@ -10,7 +10,9 @@ its inflight accounting moves; the client's stream goes on with gap-free ``seq``
 ``migrations``. A refused or failed migration leaves the stream where it was, decoding.
 
 Operators (and tests) ask on ``ctl(<router>, "migrate")`` with a ``MigrateRequest`` (client request id, target
-or ""); the reply is an ``Ack`` naming the target, or the error.
+or ""); the reply is an ``Ack`` naming the target, or the error. ``consider`` runs the policy
+(``shared/sched/migration_policy.py``: drain, KV pressure) on every decode heartbeat, at most every
+``CONSIDER_EVERY_S``, and carries out its moves in the background.
 
 Invariants: one migration at a time per stream; ``max_inflight`` per router (more: ``overloaded``); the target is
 alive, not draining, of the stream's build, not the source and not a worker the stream failed on; every wait is
@@ -19,9 +21,12 @@ bounded (``timeout_s``).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
+from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
 from shared.sched.placement import choose_transport
 from services.router.placement import worker_view
 from services.router.relay import Relay, Stream
@@ -29,13 +34,56 @@ from services.router.workers import WorkerState, WorkerTable
 
 logger = logging.getLogger(__name__)
 
+CONSIDER_EVERY_S = 0.25
+
 
 class Migrator:
-    def __init__(self, nc, relay: Relay, table: WorkerTable, timeout_s: float = 40.0, max_inflight: int = 8) -> None:
+    """``policy`` None: only operators' orders; ``spawn`` runs the policy's moves as tracked tasks."""
+
+    def __init__(self, nc, relay: Relay, table: WorkerTable, timeout_s: float = 40.0, max_inflight: int = 8,
+                 policy: MigrationConfig | None = None, on_drain: bool = True,
+                 spawn: Callable = lambda coro: None) -> None:
         self.nc, self.relay, self.table = nc, relay, table
         self.timeout_s, self.max_inflight = timeout_s, max_inflight
+        self.policy, self.on_drain, self.spawn = policy, on_drain, spawn
         self.inflight = 0
+        self.by_source: dict[str, int] = {}  # moves under way per source worker
         self.done = self.failed = 0
+        self.reasons: dict[str, int] = {}  # moves the policy started, by reason
+        self._considered = 0.0
+
+    @classmethod
+    def for_router(cls, nc, relay: Relay, table: WorkerTable, config, spawn: Callable) -> "Migrator":
+        """The router's migrator, its policy from ``RouterConfig`` (``migrate_kv_high`` > 1: drain only)."""
+        policy = MigrationConfig(kv_high=config.migrate_kv_high, kv_low=config.migrate_kv_low,
+                                 cooldown_s=config.migrate_cooldown_s) if config.migrate_kv_high <= 1.0 else None
+        return cls(nc, relay, table, policy=policy, on_drain=config.migrate_on_drain, spawn=spawn)
+
+    def consider(self, now: float | None = None) -> list[tuple[str, str, str]]:
+        """Run the policy on the current heartbeats and streams; start its moves (returned)."""
+        now = time.monotonic() if now is None else now
+        if (self.policy is None and not self.on_drain) or now - self._considered < CONSIDER_EVERY_S:
+            return []
+        self._considered = now
+        cfg = self.policy or MigrationConfig(kv_high=2.0)  # drain only
+        workers = [DecodeLoad(w.report.worker_id, w.report.num_running + w.inflight, w.report.kv_usage,
+                              w.report.draining and self.on_drain)
+                   for w in self.table.workers.values()
+                   if w.report.role == "decode" and self.table.is_alive(w.report.worker_id)]
+        streams = [MovableStream(rid, s.attempt.decode_w.report.worker_id, s.prompt_len + len(s.delivered),
+                                 s.max_tokens - len(s.delivered), s.moved_at, s.attempt.migrating)
+                   for rid, s in self.relay.live.items() if s.attempt is not None and s.attempt.decoding]
+        moves = choose_moves(cfg, now, workers, streams, self.by_source)
+        for rid, target, reason in moves:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            self.spawn(self._move(rid, target, reason))
+        return moves
+
+    async def _move(self, rid: str, target: str, reason: str) -> None:
+        try:
+            await self.migrate(rid, target)
+        except DeepinferError as err:  # the stream ended, the target went, the source refused: it stays put
+            logger.info("[%s] %s migration to %s not made: %s", rid, reason, target, err)
 
     def _target(self, stream: Stream, source: str, named: str) -> WorkerState:
         candidates = [w for w in self.table.alive("decode")
@@ -63,7 +111,9 @@ class Migrator:
         if transport is None:
             raise DeepinferError(ErrorCode.UNAVAILABLE, f"{source.report.worker_id} and {dest.report.worker_id} "
                                  "share no KV transport")
+        src_id = source.report.worker_id
         att.migrating, self.inflight = True, self.inflight + 1
+        self.by_source[src_id] = self.by_source.get(src_id, 0) + 1
         order = protocol.MigrateRequest(request_id=att.work_id, target=dest.report.worker_id, transport=transport)
         try:
             try:
@@ -78,10 +128,13 @@ class Migrator:
             raise
         finally:
             att.migrating, self.inflight = False, self.inflight - 1
+            self.by_source[src_id] -= 1
+            if not self.by_source[src_id]:
+                del self.by_source[src_id]
         if stream.attempt is att:  # the attempt may have ended (or failed over) meanwhile
             att.account.move(source, dest)
             att.decode_w = dest
-        stream.migrations += 1
+        stream.migrations, stream.moved_at = stream.migrations + 1, time.monotonic()
         self.done += 1
         logger.info("[%s] migrated %s -> %s over %s", rid, source.report.worker_id, dest.report.worker_id, transport)
         return dest.report.worker_id

@@ -72,6 +72,8 @@ class Stream:
     resumed: bool = False  # a client's resume after its router died: ``delivered`` came with the request
     attempt: Attempt | None = None  # the attempt under way (None between attempts)
     migrations: int = 0  # live migrations between decode workers so far
+    moved_at: float | None = None  # monotonic time of the last one
+    max_tokens: int = 0  # the request's, for the tokens it still has to go
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
         """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
@@ -114,6 +116,7 @@ class Relay:
 
     async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
         self.live[stream.rid] = stream
+        stream.max_tokens = req.max_tokens
         try:
             await self._serve(req, prompt, stream)
         finally:

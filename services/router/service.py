@@ -86,7 +86,7 @@ class RouterService(Service):
         self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
                            on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance))
-        self.migrator = Migrator(self.nc, self.relay, self.table)
+        self.migrator = Migrator.for_router(self.nc, self.relay, self.table, c, self.runtime.spawn)
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")
@@ -123,6 +123,8 @@ class RouterService(Service):
             # worker went idle, or published before this router started): nothing else would ever notice
             self._start_resync(wid)
         self.table.update(report)
+        if report.role == "decode":
+            self.migrator.consider()
 
     async def on_kv_event(self, msg) -> None:
         event = protocol.decode(msg.data, protocol.KVEvent)
@@ -267,7 +269,8 @@ class RouterService(Service):
                                    "draining": s.report.draining, "model_fingerprint": s.report.model_fingerprint}
                              for wid, s in self.table.workers.items()},
                  "serving_fingerprint": self.placer.model.fingerprint, "errors": dict(self.runtime.error_counts),
-                 "migrations": {"done": self.migrator.done, "failed": self.migrator.failed}}
+                 "migrations": {"done": self.migrator.done, "failed": self.migrator.failed,
+                                "started_by_policy": dict(self.migrator.reasons)}}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
                                                               stats=stats)))
 

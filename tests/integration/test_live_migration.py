@@ -141,3 +141,29 @@ async def test_orders_that_cannot_be_served_are_refused(nats_server, folder):
             assert info.value.code == ErrorCode.INVALID_REQUEST
         finally:
             await nc.close()
+
+
+async def test_a_draining_decode_worker_moves_its_streams_instead_of_handing_them_back(nats_server, folder):
+    """Drain with migration: no stream of the drained worker is prefilled again (no failover), all are exact."""
+    ps = prompts(6)
+    expected = reference_outputs(folder, ps, TOKENS)
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
+                                router_kw={"migrate_kv_high": 2.0}) as cluster:   # the drain rule only
+        nc = await connect(nats_server.url)
+        try:
+            started = [asyncio.Event() for _ in ps]
+            tasks = [asyncio.create_task(collect(nc, request(p, f"d{i}"), started[i])) for i, p in enumerate(ps)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+            live = cluster.router.relay.live
+            on = {rid: s.attempt.decode_w.report.worker_id for rid, s in live.items() if s.attempt is not None}
+            drained = next(w for w in cluster.workers if w.config.worker_id == on["d0"])
+            await drained.shutdown()            # SIGTERM's drain: withdraw, wait for its streams to leave
+            results = await asyncio.gather(*tasks)
+        finally:
+            await nc.close()
+        moved = [rid for rid, wid in on.items() if wid == drained.config.worker_id]
+        for i, chunks in enumerate(results):
+            usage = chunks[-1].usage
+            assert [t for c in chunks for t in c.token_ids] == expected[i], f"stream {i} diverged"
+            assert usage["failovers"] == 0 and usage.get("migrations", 0) == (f"d{i}" in moved), usage
+        assert drained.desk.sent == len(moved) and cluster.router.migrator.reasons == {"drain": len(moved)}

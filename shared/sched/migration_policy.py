@@ -1,0 +1,91 @@
+"""When to move a running stream to another decode worker (live migration), decided from heartbeats; the
+router's ``Migrator`` carries the moves out. A pure function of its inputs, so a simulator can run it too.
+
+Rules, in order:
+1. **Drain**: every stream on a draining decode worker moves (it would otherwise be handed back and its whole
+   context prefilled again elsewhere).
+2. **KV pressure**: a decode worker whose KV pool is at least ``kv_high`` full is about to preempt by
+   recompute; one stream per evaluation moves to a worker below ``kv_low``: the one with the most tokens left
+   per token of context (the benefit, decode steps freed, over the cost, bytes moved).
+
+Bounds: at most ``per_source`` moves in flight out of one worker; never a stream that moved within
+``cooldown_s`` (no ping-pong) nor one with fewer than ``min_tokens_left`` tokens to go (not worth its copy); a
+target is alive, not draining and never the source. The target of each move is the least loaded candidate
+(running + waiting, then KV usage), counting the moves already chosen.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationConfig:
+    kv_high: float = 0.9
+    kv_low: float = 0.6
+    cooldown_s: float = 10.0
+    per_source: int = 2
+    min_tokens_left: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoad:
+    """One decode worker as the policy sees it."""
+    worker_id: str
+    running: int
+    kv_usage: float
+    draining: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MovableStream:
+    """One stream decoding on ``source``: its context (prompt + tokens so far) and tokens still to go."""
+    request_id: str
+    source: str
+    context_tokens: int
+    tokens_left: int
+    moved_at: float | None = None  # when it last moved (monotonic seconds), None if never
+    moving: bool = False
+
+
+def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], streams: list[MovableStream],
+                 in_flight: dict[str, int]) -> list[tuple[str, str, str]]:
+    """``(request id, target worker, reason)`` for each stream to move now (``reason``: ``drain`` or
+    ``kv_pressure``); ``in_flight``: moves under way per source worker."""
+    loads = {w.worker_id: [w.running, w.kv_usage] for w in workers if not w.draining}
+    busy = dict(in_flight)
+    moves: list[tuple[str, str, str]] = []
+
+    def target(source: str, kv_cap: float) -> str | None:
+        fits = [wid for wid, (_, kv) in loads.items() if wid != source and kv < kv_cap]
+        if not fits:
+            return None
+        best = min(fits, key=lambda wid: (loads[wid][0], loads[wid][1], wid))
+        loads[best][0] += 1
+        return best
+
+    def movable(s: MovableStream, drain: bool) -> bool:
+        cooled = drain or s.moved_at is None or now - s.moved_at >= cfg.cooldown_s
+        return (not s.moving and cooled and busy.get(s.source, 0) < cfg.per_source
+                and s.tokens_left >= (1 if drain else cfg.min_tokens_left))
+
+    by_worker = {w.worker_id: w for w in workers}
+    for s in streams:                                           # 1. drain
+        w = by_worker.get(s.source)
+        if w is not None and w.draining and movable(s, drain=True):
+            dest = target(s.source, kv_cap=1.0)
+            if dest is not None:
+                moves.append((s.request_id, dest, "drain"))
+                busy[s.source] = busy.get(s.source, 0) + 1
+    chosen = {m[0] for m in moves}
+    for w in workers:                                           # 2. KV pressure, one stream per source
+        if w.draining or w.kv_usage < cfg.kv_high:
+            continue
+        mine = [s for s in streams if s.source == w.worker_id and s.request_id not in chosen and movable(s, False)]
+        if not mine:
+            continue
+        pick = max(mine, key=lambda s: (s.tokens_left / max(1, s.context_tokens), s.request_id))
+        dest = target(w.worker_id, kv_cap=cfg.kv_low)
+        if dest is not None:
+            moves.append((pick.request_id, dest, "kv_pressure"))
+            busy[w.worker_id] = busy.get(w.worker_id, 0) + 1
+    return moves

@@ -1,0 +1,39 @@
+"""When streams move (shared/sched/migration_policy.py): all of a draining worker's, one per full worker to one
+with room, the cheapest to move first; bounded per source, no ping-pong, never to the source or a draining one."""
+from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
+
+CFG = MigrationConfig(kv_high=0.9, kv_low=0.6, cooldown_s=10.0, per_source=2, min_tokens_left=16)
+
+
+def stream(rid, source, context=100, left=100, moved_at=None, moving=False):
+    return MovableStream(rid, source, context, left, moved_at, moving)
+
+
+def test_a_draining_worker_is_emptied_two_at_a_time_onto_the_least_loaded():
+    workers = [DecodeLoad("d0", 3, 0.5, draining=True), DecodeLoad("d1", 5, 0.5), DecodeLoad("d2", 1, 0.5)]
+    streams = [stream(f"s{i}", "d0", left=2) for i in range(3)] + [stream("t", "d1")]
+    moves = choose_moves(CFG, 0.0, workers, streams, {})
+    assert [(r, why) for r, _, why in moves] == [("s0", "drain"), ("s1", "drain")]  # per_source bound
+    assert [t for _, t, _ in moves] == ["d2", "d2"]       # 1 -> 2 running, still below d1's 5
+    assert choose_moves(CFG, 0.0, workers, streams, {"d0": 2}) == []  # two under way already
+    assert choose_moves(CFG, 0.0, [workers[0]], streams, {}) == []    # nowhere to go: handed back at the end
+
+
+def test_a_full_worker_moves_one_stream_the_cheapest_per_token_left_to_a_worker_with_room():
+    workers = [DecodeLoad("d0", 4, 0.95), DecodeLoad("d1", 2, 0.7), DecodeLoad("d2", 3, 0.3)]
+    streams = [stream("long-context", "d0", context=4000, left=200), stream("short", "d0", context=100, left=200),
+               stream("ending", "d0", context=50, left=5), stream("other", "d2")]
+    assert choose_moves(CFG, 0.0, workers, streams, {}) == [("short", "d2", "kv_pressure")]
+    calm = [DecodeLoad("d0", 4, 0.85), *workers[1:]]
+    assert choose_moves(CFG, 0.0, calm, streams, {}) == []             # below kv_high: nothing moves
+    full = [workers[0], DecodeLoad("d1", 2, 0.7), DecodeLoad("d2", 3, 0.65)]
+    assert choose_moves(CFG, 0.0, full, streams, {}) == []             # no worker below kv_low
+
+
+def test_no_ping_pong_and_nothing_moves_twice_at_once():
+    workers = [DecodeLoad("d0", 4, 0.95), DecodeLoad("d1", 1, 0.1)]
+    recent = [stream("a", "d0", moved_at=95.0), stream("b", "d0", moving=True)]
+    assert choose_moves(CFG, 100.0, workers, recent, {}) == []
+    assert choose_moves(CFG, 106.0, workers, recent, {}) == [("a", "d1", "kv_pressure")]
+    draining = [DecodeLoad("d0", 4, 0.5, draining=True), DecodeLoad("d1", 1, 0.1)]
+    assert choose_moves(CFG, 100.0, draining, recent, {}) == [("a", "d1", "drain")]  # a drain overrides cooldown

@@ -167,3 +167,29 @@ async def test_a_draining_decode_worker_moves_its_streams_instead_of_handing_the
             assert [t for c in chunks for t in c.token_ids] == expected[i], f"stream {i} diverged"
             assert usage["failovers"] == 0 and usage.get("migrations", 0) == (f"d{i}" in moved), usage
         assert drained.desk.sent == len(moved) and cluster.router.migrator.reasons == {"drain": len(moved)}
+
+
+async def test_a_target_that_stops_answering_mid_copy_costs_a_pause_not_the_stream(nats_server, folder, monkeypatch):
+    """The target hangs in its fetch (as if SIGKILLed mid-copy: no Ack ever comes): after the hand-off timeout
+    the source reattaches the sequence and finishes it, exact and gap-free."""
+    prompt = prompts(3)[2]
+    expected = reference_outputs(folder, [prompt], TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="stream",
+                                handoff_timeout_s=1.0) as cluster:
+        transports = [w.transports["stream"] for w in cluster.workers]
+
+        async def hang(transport):
+            await asyncio.sleep(3600)
+        nc = await connect(nats_server.url)
+        try:
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompt, "h"), started, after=6))
+            await asyncio.wait_for(started.wait(), 30)
+            hit = fault_first_call(monkeypatch, transports, "fetch", hang)
+            with pytest.raises(DeepinferError):
+                await ask_router(nc, cluster, "h")
+            chunks = await task
+        finally:
+            await nc.close()
+        assert hit and [t for c in chunks for t in c.token_ids] == expected
+        assert [c.seq for c in chunks] == list(range(len(chunks))) and "migrations" not in chunks[-1].usage

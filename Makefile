@@ -39,6 +39,7 @@ bench: venv
 	$(PY) -m benchmarks.tier_replay
 	$(PY) -m benchmarks.spec_decode
 	$(PY) -m benchmarks.http_vs_nats
+	$(PY) -m benchmarks.migration_pause
 
 clean:
 	rm -rf $(VENV) build *.egg-info

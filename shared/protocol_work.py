@@ -94,7 +94,9 @@ class KVHandoff(WireModel, _SamplingChecks):
 
     Live migration (decode worker -> decode worker) is the same message for a stream already under way: the KV
     covers ``prompt_token_ids + prior_output_ids``, ``first_token`` is the newest output token (no KV yet), the
-    target's first chunk is ``first_seq`` and a seeded request's sampler continues from ``generator_state``."""
+    target's first chunk is ``first_seq`` and a seeded request's sampler continues from ``generator_state``; the
+    payload holds the blocks from ``first_block`` on (the ones before reached the target's prefix cache by a
+    ``KVPrecopy`` while the source kept decoding; a target that no longer holds them refuses the hand-off)."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
     first_token: int
@@ -118,6 +120,7 @@ class KVHandoff(WireModel, _SamplingChecks):
     prior_output_ids: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)  # migration
     generator_state: bytes = b""    # a seeded request's sampler state after its last draw ("" = fresh)
     first_seq: int = 1              # seq of the first chunk this hand-off's decode worker publishes
+    first_block: int = 0            # the payload starts at this block: the ones before were pre-copied
 
     def _check(self) -> None:
         self._check_common()
@@ -128,6 +131,7 @@ class KVHandoff(WireModel, _SamplingChecks):
         _require(len(self.generator_state) <= MAX_GENERATOR_STATE_BYTES,
                  f"field 'generator_state': more than {MAX_GENERATOR_STATE_BYTES} bytes")
         _check_range("first_seq", self.first_seq, 1)
+        _check_range("first_block", self.first_block, 0)
         _check_range("num_blocks", self.num_blocks, 0)
         _require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")
@@ -139,6 +143,34 @@ class KVHandoff(WireModel, _SamplingChecks):
         _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
         if self.prefill_worker:
             _check_worker("prefill_worker", self.prefill_worker)
+
+
+@wire_message(MAX_MESSAGE_BYTES)
+class KVPrecopy(WireModel):
+    """Decode worker -> decode worker, the pre-copy of a live migration while the source keeps decoding: the
+    KV of the first ``num_blocks`` full blocks of ``token_ids`` (the stream's prompt + outputs so far, salted with
+    ``cache_salt``, computed by ``model_fingerprint``) is available through ``transport`` / ``handle``; the
+    target puts them in its prefix cache and answers an ``Ack`` whose ``detail`` is how many it kept."""
+    request_id: str
+    token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
+    cache_salt: str
+    num_blocks: int
+    block_shape: list[int]
+    dtype: str
+    transport: str
+    handle: dict[str, Any]
+    model_fingerprint: str
+
+    def _check(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        _check_tokens("token_ids", self.token_ids)
+        _check_range("num_blocks", self.num_blocks, 1)
+        _require(bool(self.block_shape) and min(self.block_shape) > 0,
+                 "field 'block_shape': must be a non-empty list of positive ints")
+        _check_one_of("dtype", self.dtype, DTYPES)
+        _require(bool(self.transport), "field 'transport': must not be empty")
+        _check_fingerprint("model_fingerprint", self.model_fingerprint)
 
 
 @wire_message(MAX_MESSAGE_BYTES)

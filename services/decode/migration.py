@@ -1,11 +1,15 @@
 """The source half of a live migration on a decode worker: the router asks on ``ctl(<worker>, "migrate")``
 (``MigrateRequest``: a request this worker runs, a target decode worker, a KV transport).
 
+0. Pre-copy, while the request keeps decoding: its full computed blocks (their KV is final) are staged and
+   sent to the target as a ``KVPrecopy``, which keeps them in its prefix cache (``on_precopy``). A pre-copy
+   that fails, or that a preemption overtook, is dropped: the switch then ships everything.
 1. ``on_migrate`` detaches the request at the next step boundary (``LLMEngine.detach``: out of the batch, blocks
    kept) and ends its engine stream with a ``MIGRATING`` output, after every token it produced.
 2. The request's own handler (``DecodeService.on_message``) has published every chunk before that output, so it
-   knows the next ``seq``: it calls ``hand_over``, which stages the blocks, sends the target a ``KVHandoff`` for
-   the stream under way (prompt + outputs, newest token, generator state, ``first_seq``) and waits for its Ack.
+   knows the next ``seq``: it calls ``hand_over``, which stages the blocks the target lacks (from
+   ``first_block``: the pre-copied ones are there), sends the target a ``KVHandoff`` for the stream under way
+   (prompt + outputs, newest token, generator state, ``first_seq``) and waits for its Ack.
 3. Acked: the target runs the stream (its chunks continue the seq on the same reply subject); the source drops
    the request and frees its blocks, and the handler ends without a final chunk. Anything else (refusal,
    timeout, transfer error, the target dying): the request is reattached and decodes on here as if nothing
@@ -29,10 +33,14 @@ from shared import protocol, subjects
 from shared.engine.migration import Detached
 from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.transport import handle_meta
 
 logger = logging.getLogger(__name__)
 
 MIGRATING = "migrating"  # the finish reason of the engine output that ends a request's stream for a migration
+
+
+MIN_PRECOPY_BLOCKS = 4  # fewer full blocks than this: the switch ships them all (a pre-copy costs a round trip)
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,6 +49,8 @@ class _Order:
     transport: str
     done: asyncio.Future
     moved: Detached | None = None
+    precopied: int = 0  # leading blocks the target already holds
+    precopy_s: float = 0.0
 
 
 class MigrationDesk:
@@ -50,6 +60,7 @@ class MigrationDesk:
         self.worker, self.max_concurrent = worker, max_concurrent
         self.orders: dict[str, _Order] = {}
         self.sent = self.failed = 0
+        self.precopied_blocks = 0
 
     def has_order(self, request_id: str) -> bool:
         return request_id in self.orders
@@ -67,6 +78,9 @@ class MigrationDesk:
         order = _Order(req.target, req.transport, asyncio.get_running_loop().create_future())
         self.orders[rid] = order
         try:
+            t0 = time.perf_counter()
+            order.precopied = await self._precopy(rid, order)
+            order.precopy_s = time.perf_counter() - t0
             order.moved = await w.aengine.call(lambda: w.engine.detach(rid))
         except BaseException:
             self.orders.pop(rid, None)
@@ -82,6 +96,49 @@ class MigrationDesk:
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(detail=order.target)))
 
+    async def _precopy(self, rid: str, order: _Order) -> int:
+        """Ship the request's full blocks ahead while it decodes on; how many the target kept (0: none)."""
+        w, eng = self.worker, self.worker.engine
+        ids, tokens, salt = await w.aengine.call(lambda: eng.full_blocks(rid))
+        if len(ids) < MIN_PRECOPY_BLOCKS:
+            return 0
+        transport, tid = w.transports[order.transport], f"{rid}-pre"
+        try:
+            handle = await transport.stage_blocks(eng.kv_cache, ids, tid)
+            try:
+                if not await w.aengine.call(lambda: eng.holds_blocks(rid, ids)):
+                    return 0  # preempted while copying: the staged bytes may not be its KV
+                msg = protocol.KVPrecopy(request_id=rid, token_ids=tokens, cache_salt=salt,
+                                         num_blocks=len(ids), block_shape=list(eng.kv_cache.shape[1:]),
+                                         dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
+                                         transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint)
+                reply = await w.nc.request(subjects.decode(order.target), protocol.encode(msg),
+                                           timeout=w.config.handoff_timeout_s)
+                kept = min(len(ids), int(protocol.decode_reply(reply.data, protocol.Ack).detail or 0))
+            finally:
+                await transport.release(tid)
+        except Exception as err:  # noqa: BLE001 - the switch ships everything instead
+            logger.info("[%s] pre-copy to %s dropped: %r", rid, order.target, err)
+            return 0
+        self.precopied_blocks += kept
+        return kept
+
+    async def on_precopy(self, msg, req: protocol.KVPrecopy) -> None:
+        """Target side: keep a pre-copy's blocks in the prefix cache; answer how many were kept."""
+        w, eng = self.worker, self.worker.engine
+        eng.check_model(req.model_fingerprint, "the KV pre-copy")
+        transport = w.transports.get(req.transport)
+        dtype, shape, _ = handle_meta(req.handle)
+        if transport is None or shape != [req.num_blocks, *req.block_shape] or str(dtype) != f"torch.{req.dtype}" \
+                or req.num_blocks * eng.config.block_size > len(req.token_ids):
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"pre-copy of {req.num_blocks} blocks over "
+                                 f"{req.transport!r} does not fit its header or tokens")
+        kv = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # [n, *block_shape]
+        kept = await w.aengine.call(lambda: eng.import_tier_blocks(req.token_ids, req.cache_salt, 0,
+                                                                   kv.to(eng.kv_cache.device)))
+        if msg.reply:
+            await msg.respond(protocol.encode(protocol.Ack(detail=str(kept))))
+
     async def hand_over(self, req: protocol.KVHandoff | protocol.DecodeLocalRequest, seq: int, extra: dict,
                         deadline: float, before_drop: Callable[[int], Awaitable[None]]) -> Callable[[], object] | None:
         """Send the detached request to its order's target, continuing at chunk ``seq`` with the usage ``extra``
@@ -94,14 +151,15 @@ class MigrationDesk:
         transport = w.transports[order.transport]
         tid = f"{rid}-mig"
         t0 = time.perf_counter()
+        first = order.precopied
         try:
-            handle = await transport.stage_blocks(eng.kv_cache, moved.block_ids, tid)
+            handle = await transport.stage_blocks(eng.kv_cache, moved.block_ids[first:], tid)
             try:
                 handoff = protocol.KVHandoff(
                     request_id=rid, prompt_token_ids=moved.prompt_token_ids,
                     prior_output_ids=moved.output_token_ids[:-1], first_token=moved.output_token_ids[-1],
                     sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt,
-                    num_blocks=len(moved.block_ids), block_shape=list(eng.kv_cache.shape[1:]),
+                    num_blocks=len(moved.block_ids) - first, block_shape=list(eng.kv_cache.shape[1:]),
                     dtype=str(eng.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
                     num_cached_tokens=min(extra.get("cached_tokens", moved.num_cached_tokens),
                                           len(moved.prompt_token_ids)),
@@ -111,7 +169,8 @@ class MigrationDesk:
                                            len(moved.prompt_token_ids)),
                     model_fingerprint=eng.fingerprint,
                     deadline_s=deadline - asyncio.get_running_loop().time(), router_id=req.router_id,
-                    router_instance=req.router_instance, generator_state=moved.generator_state, first_seq=seq)
+                    router_instance=req.router_instance, generator_state=moved.generator_state, first_seq=seq,
+                    first_block=first)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(handoff),
                                            timeout=w.config.handoff_timeout_s)
                 protocol.decode_reply(reply.data, protocol.Ack)
@@ -128,8 +187,10 @@ class MigrationDesk:
         await w.aengine.call(lambda: eng.drop_detached(rid))
         self.sent += 1
         w.metrics.handoff(order.transport, "migrated", int(handle.get("nbytes", 0)), time.perf_counter() - t0)
-        logger.info("[%s] migrated to %s at chunk %d (%d tokens)", rid, order.target, seq,
-                    len(moved.prompt_token_ids) + len(moved.output_token_ids))
+        logger.info("[%s] migrated to %s at chunk %d (%d tokens; %d of %d blocks pre-copied in %.3f s, the rest "
+                    "switched in %.3f s)", rid, order.target, seq, len(moved.prompt_token_ids) +
+                    len(moved.output_token_ids), first, len(moved.block_ids), order.precopy_s,
+                    time.perf_counter() - t0)
         _settle(order.done, None)
         return None
 

@@ -37,7 +37,9 @@ class DecodeService(Worker):
         await self.runtime.serve(subjects.ctl(self.config.worker_id, "migrate"), self.desk.on_migrate, work=False)
 
     async def on_message(self, msg) -> None:
-        req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest))
+        req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest, protocol.KVPrecopy))
+        if isinstance(req, protocol.KVPrecopy):
+            return await self.desk.on_precopy(msg, req)
         params = sampling_params(req.sampling)
         rid, eng = req.request_id, self.engine
         handoff = isinstance(req, protocol.KVHandoff)
@@ -52,7 +54,7 @@ class DecodeService(Worker):
             # before any allocation or fetch: a bad hand-off (or another build's KV) is refused here
             outputs = [*req.prior_output_ids, req.first_token]  # one token, or a migrating stream's all
             check_import(eng, req.prompt_token_ids, outputs, params, shape, req.dtype, req.model_fingerprint,
-                         req.generator_state)
+                         req.generator_state, req.first_block)
         else:
             eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
@@ -78,7 +80,7 @@ class DecodeService(Worker):
                 kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
                 submit = lambda: eng.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
-                                                    generator_state=req.generator_state)
+                                                    generator_state=req.generator_state, first_block=req.first_block)
                 seq, extra = req.first_seq, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
                                              "tier_cached_tokens": req.tier_cached_tokens}
             else:

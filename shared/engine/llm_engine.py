@@ -138,6 +138,12 @@ class LLMEngine:
     def detach(self, request_id: str) -> migration.Detached:
         return migration.detach(self, request_id)
 
+    def full_blocks(self, request_id: str) -> tuple[list[int], list[int], str]:
+        return migration.full_blocks(self, request_id)
+
+    def holds_blocks(self, request_id: str, block_ids: list[int]) -> bool:
+        return migration.holds_blocks(self, request_id, block_ids)
+
     def reattach(self, request_id: str) -> None:
         migration.reattach(self, request_id)
 
@@ -146,9 +152,10 @@ class LLMEngine:
 
     def import_running(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                        params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                       model_fingerprint: str, generator_state: bytes = b"") -> bool:
+                       model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0) -> bool:
         return migration.import_running(self, request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt,
-                                        hold_kv, model_fingerprint=model_fingerprint, generator_state=generator_state)
+                                        hold_kv, model_fingerprint=model_fingerprint, generator_state=generator_state,
+                                        first_block=first_block)
 
     # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
     def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:

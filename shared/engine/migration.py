@@ -9,6 +9,11 @@ exactly as it was (a failed migration loses nothing) and ``drop_detached`` frees
 holding the KV of all but the newest token, and the seeded generator's state (the next draw on the target is
 the draw the source would have made next).
 
+Pre-copy (source still decoding): ``full_blocks`` names the blocks whose KV is final (every full, computed
+block), ``holds_blocks`` confirms afterwards that nothing preempted the request while they were copied; the
+target keeps them in its prefix cache (``kv_tier.import_tier_blocks``), and the stop-and-copy then ships only
+the blocks from ``first_block`` on.
+
 Import (target): ``import_running`` rebuilds the request from prompt + output tokens (the detokenizer is fed
 the same tokens, so held-back bytes and stop-string windows are the source's), writes the KV of all but the
 newest token (its own prefix-cache hits reused), restores the generator and joins the batch: the next step
@@ -66,6 +71,24 @@ def detach(engine: LLMEngine, request_id: str) -> Detached:
                     req.stats.num_cached_tokens)
 
 
+def full_blocks(engine: LLMEngine, request_id: str) -> tuple[list[int], list[int], str]:
+    """Pre-copy: ``(block ids, token ids, cache salt)``: a running request's computed full blocks (their KV
+    never changes while it runs), all its tokens so far, and the salt its block hashes are chained with."""
+    req = engine.requests.get(request_id)
+    if req is None or req.status != RequestStatus.RUNNING or request_id in engine.detached:
+        raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not running here")
+    full = min(req.num_computed_tokens, req.num_tokens - 1) // engine.config.block_size
+    return list(engine.block_manager.block_ids(request_id)[:full]), list(req.all_token_ids), req.cache_salt
+
+
+def holds_blocks(engine: LLMEngine, request_id: str, block_ids: list[int]) -> bool:
+    """Whether the request still runs on exactly ``block_ids`` first (no preemption since ``full_blocks``: what
+    was copied from them meanwhile is its KV)."""
+    req = engine.requests.get(request_id)
+    return (req is not None and req.status == RequestStatus.RUNNING
+            and engine.block_manager.block_ids(request_id)[:len(block_ids)] == block_ids)
+
+
 def reattach(engine: LLMEngine, request_id: str) -> None:
     """Put a detached request back into the batch as it was (the migration did not happen)."""
     req = engine.detached.pop(request_id, None)
@@ -86,10 +109,10 @@ def drop_detached(engine: LLMEngine, request_id: str) -> None:
 
 def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_ids: list[int],
                  params: SamplingParams, shape: list[int], dtype: str, model_fingerprint: str,
-                 generator_state: bytes = b"") -> None:
+                 generator_state: bytes = b"", first_block: int = 0) -> None:
     """Raise unless a request of ``prompt_token_ids`` + ``output_token_ids`` (the KV of all but the newest
-    token in a payload of ``shape`` / ``dtype``, computed by the build ``model_fingerprint``) can be imported
-    here. Allocates and reads nothing."""
+    token, from block ``first_block`` on, in a payload of ``shape`` / ``dtype``, computed by the build
+    ``model_fingerprint``) can be imported here. Allocates and reads nothing."""
     from shared.engine.kv_handoff import block_shape, check_model  # kv_handoff builds on this module
 
     check_model(engine, model_fingerprint, "the KV hand-off")
@@ -103,7 +126,9 @@ def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_id
         raise invalid("a generator state needs a seeded request and at most "
                       f"{MAX_GENERATOR_STATE_BYTES} bytes")
     with_kv = len(prompt_token_ids) + len(output_token_ids) - 1
-    want = [-(-with_kv // engine.config.block_size), *block_shape(engine)]
+    if not 0 <= first_block <= with_kv // engine.config.block_size:
+        raise invalid(f"first_block {first_block} is not a full block of {with_kv} tokens")
+    want = [-(-with_kv // engine.config.block_size) - first_block, *block_shape(engine)]
     have_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
     if list(shape) != want or dtype != have_dtype:
         raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(shape)} {dtype} does not match this "
@@ -112,14 +137,16 @@ def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_id
 
 def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                    params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                   model_fingerprint: str, generator_state: bytes = b"") -> bool:
+                   model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0) -> bool:
     """Admit a request that ran elsewhere: True if its KV was used, False if it was queued for local recompute
-    (no room). ``kv: [ceil((len(prompt) + len(outputs) - 1) / block_size), L, 2, kvh, block_size, D]``."""
+    (no room). ``kv: [ceil((len(prompt) + len(outputs) - 1) / block_size) - first_block, L, 2, kvh,
+    block_size, D]``: the blocks before ``first_block`` must be in this engine's prefix cache (pre-copied),
+    else ``transfer_failed`` and nothing changes."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
     bs = engine.config.block_size
     check_import(engine, prompt_token_ids, output_token_ids, params, list(kv.shape),
-                 str(kv.dtype).removeprefix("torch."), model_fingerprint, generator_state)
+                 str(kv.dtype).removeprefix("torch."), model_fingerprint, generator_state, first_block)
     req = Request(request_id, prompt_token_ids, params, block_size=bs, model_fingerprint=engine.fingerprint,
                   cache_salt=cache_salt)
     req.hold_kv = hold_kv
@@ -138,11 +165,14 @@ def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[in
         is_stop = (token in engine.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         if req.detokenizer is not None and not is_stop:
             req.output_text += req.detokenizer.feed(token)
-    engine.requests[request_id] = req
     with_kv = req.num_tokens - 1
     bm, sched = engine.block_manager, engine.scheduler
     hits, num_cached = bm.get_computed_blocks(req)
     hits = hits[:min(num_cached, with_kv) // bs]
+    if len(hits) < first_block:
+        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{first_block} pre-copied blocks expected in the prefix "
+                             f"cache, {len(hits)} found (evicted since)")
+    engine.requests[request_id] = req
     new_ids = None
     if len(sched.running) < sched.max_num_seqs:
         new_ids = bm.allocate_slots(req, with_kv - len(hits) * bs, hits)
@@ -150,7 +180,8 @@ def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[in
         sched.add(req)  # recompute locally when there is room; exact, just slower
         return False
     kv_cache = engine.kv_cache
-    kv_cache[torch.tensor(new_ids, dtype=torch.long, device=kv_cache.device)] = kv[len(hits):].to(kv_cache)
+    rows = torch.tensor(new_ids, dtype=torch.long, device=kv_cache.device)
+    kv_cache[rows] = kv[len(hits) - first_block:].to(kv_cache)   # the payload's blocks this cache lacks
     req.num_computed_tokens = with_kv
     req.status = RequestStatus.RUNNING
     req.stats.first_scheduled_time = time.perf_counter()

@@ -70,6 +70,7 @@ async def test_half_of_the_streams_move_mid_decode_and_stay_exact(nats_server, f
             assert chunks[-1].usage.get("migrations", 0) == (1 if i % 2 == 0 else 0), chunks[-1].usage
         desks = [w.desk for w in cluster.workers if hasattr(w, "desk")]
         assert sum(d.sent for d in desks) == len(ps) // 2 and sum(d.failed for d in desks) == 0
+        assert sum(d.precopied_blocks for d in desks) > 0      # full blocks went ahead while decoding went on
         assert cluster.router.migrator.done == len(ps) // 2
         assert await wait_until(lambda: all_blocks_free(cluster))          # the sources freed what moved
 
@@ -92,31 +93,57 @@ async def test_a_seeded_sampled_stream_equals_its_unmigrated_twin(nats_server, f
 
 
 async def test_a_migration_that_fails_mid_way_leaves_the_stream_where_it_was(nats_server, folder, monkeypatch):
-    """The target refuses the hand-off (a transport error injected on its fetch): the source reattaches the
-    sequence and finishes it, nothing lost; the router answers the order with the error."""
-    prompt = prompts(2)[1]
+    """Every fetch on the way fails (a transport error injected: the pre-copy and the switch): the source
+    reattaches the sequence and finishes it, nothing lost; the router answers the order with the error."""
+    prompt = prompts(12)[11]  # 53 tokens: enough full blocks to pre-copy
     expected = reference_outputs(folder, [prompt], TOKENS)[0]
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="stream") as cluster:
-        transports = [w.transports["stream"] for w in cluster.workers]
+        calls = []
 
-        async def broken(transport):
+        async def broken(*args, **kwargs):
+            calls.append(args)
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: the link broke mid-copy")
         nc = await connect(nats_server.url)
         try:
             started = asyncio.Event()
             task = asyncio.create_task(collect(nc, request(prompt, "f"), started, after=6))
             await asyncio.wait_for(started.wait(), 30)
-            hit = fault_first_call(monkeypatch, transports, "fetch", broken)
-            with pytest.raises(DeepinferError) as info:
-                await ask_router(nc, cluster, "f")
+            with monkeypatch.context() as patch:
+                for w in cluster.workers:
+                    patch.setattr(w.transports["stream"], "fetch", broken)
+                with pytest.raises(DeepinferError) as info:
+                    await ask_router(nc, cluster, "f")
             chunks = await task
         finally:
             await nc.close()
-        assert hit and info.value.code == ErrorCode.TRANSFER_FAILED
+        assert len(calls) == 2 and info.value.code == ErrorCode.TRANSFER_FAILED   # pre-copy, then the switch
         assert [t for c in chunks for t in c.token_ids] == expected and "migrations" not in chunks[-1].usage
         assert sum(w.desk.failed for w in cluster.workers if hasattr(w, "desk")) == 1
         assert cluster.router.migrator.failed == 1
         assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_a_failed_pre_copy_falls_back_to_shipping_every_block(nats_server, folder, monkeypatch):
+    prompt = prompts(12)[11]
+    expected = reference_outputs(folder, [prompt], TOKENS)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="stream") as cluster:
+        transports = [w.transports["stream"] for w in cluster.workers]
+
+        async def broken(transport):
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: the pre-copy's fetch failed")
+        nc = await connect(nats_server.url)
+        try:
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompt, "p"), started, after=6))
+            await asyncio.wait_for(started.wait(), 30)
+            hit = fault_first_call(monkeypatch, transports, "fetch", broken)
+            await ask_router(nc, cluster, "p")
+            chunks = await task
+        finally:
+            await nc.close()
+        assert hit and [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1
+        desks = [w.desk for w in cluster.workers if hasattr(w, "desk")]
+        assert sum(d.sent for d in desks) == 1 and sum(d.precopied_blocks for d in desks) == 0
 
 
 async def test_orders_that_cannot_be_served_are_refused(nats_server, folder):

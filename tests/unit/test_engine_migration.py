@@ -123,3 +123,33 @@ def test_bad_imports_are_refused_before_anything_is_allocated():
                            model_fingerprint=src.fingerprint)
     assert info.value.code == ErrorCode.TRANSFER_FAILED
     assert dst.block_manager.num_free_blocks == free and not dst.requests
+
+
+def test_pre_copied_blocks_ship_ahead_and_the_switch_sends_only_the_rest():
+    """Pre-copy: the full blocks go to the target's prefix cache while the source decodes on; the stop-and-copy
+    ships the blocks from ``first_block``; the continuation is exact. Blocks gone meanwhile: refused, nothing
+    changed on the target."""
+    model = tiny_model(seed=11)
+    prompt = [(3 * i + 1) % 128 for i in range(37)]
+    expected = engine(model).generate([prompt], GREEDY)[0]
+    src, dst = engine(model), engine(model)
+    src.add_request(prompt, GREEDY, "x")
+    got = run(src, "x", until=3)
+    ids, tokens, salt = src.full_blocks("x")
+    assert len(ids) == (len(prompt) + len(got) - 1) // 8 and tokens == prompt + got
+    kept = dst.import_tier_blocks(tokens, salt, 0, src.kv_cache[torch.tensor(ids)])
+    assert kept == len(ids)
+    got += run(src, "x", until=6)                   # the source decoded on while the copy travelled
+    assert src.holds_blocks("x", ids)
+    moved = src.detach("x")
+    tail = src.kv_cache[torch.tensor(moved.block_ids[kept:])]
+    fresh = engine(model)
+    with pytest.raises(DeepinferError) as info:     # a target without the pre-copied blocks refuses
+        fresh.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+                             model_fingerprint=src.fingerprint, first_block=kept)
+    assert info.value.code == ErrorCode.TRANSFER_FAILED and not fresh.requests
+    assert fresh.block_manager.num_free_blocks == fresh.block_manager.num_blocks
+    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+                              model_fingerprint=src.fingerprint, first_block=kept)
+    src.drop_detached("x")
+    assert got + run(dst, "x") == expected

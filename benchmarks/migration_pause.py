@@ -1,8 +1,9 @@
 """The pause a client sees when its stream moves to another decode worker: live migration vs today's failover.
 
 Starts a real cluster (nats-server, router, two decode processes and, with ``--mode remote``, a prefill
-process; SmolLM2-135M) and, for each context length, streams a greedy request (engine benchmark prompts concatenated, a cache salt of its own per
-case: every prefill is cold) three times: undisturbed, then, once ``--after`` tokens arrived, either
+process; SmolLM2-135M) and, for each context length, streams a greedy request (engine benchmark prompts
+concatenated, a cache salt of its own per case: every prefill is cold) three times: undisturbed, then, once
+``--after`` tokens arrived, either
 
 - **migrate**: orders a live migration (``di.v1.ctl.<router>.migrate``): the KV moves, decoding goes on; or
 - **failover**: SIGTERMs the stream's decode worker with no drain grace and migration on drain off, so it hands
@@ -79,10 +80,11 @@ async def one(cluster: Cluster, nc, prompt: list[int], rid: str, action: str, ar
 
 
 async def run(args) -> list[dict]:
-    cluster = Cluster(ClusterSpec(prefill=int(args.mode == "remote"), decode=2, kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=0,
-                                  cache_tier=0, http_port=-1, metrics=False, transports=args.transports,
-                                  log_dir=args.log_dir, extra_env={"DEEPINFER_MIGRATE_ON_DRAIN": "false", "DEEPINFER_DRAIN_GRACE_S": "0",
-                                             "DEEPINFER_MIGRATE_KV_HIGH": "2"}))
+    env = {"DEEPINFER_MIGRATE_ON_DRAIN": "false", "DEEPINFER_DRAIN_GRACE_S": "0",  # failover: hand back at once
+           "DEEPINFER_MIGRATE_KV_HIGH": "2", "DEEPINFER_MIGRATE_SKEW_MIN": "0"}      # moves by order only
+    cluster = Cluster(ClusterSpec(prefill=int(args.mode == "remote"), decode=2, kv_cache_mb=args.kv_cache_mb,
+                                  local_prefill_threshold=0, cache_tier=0, http_port=-1, metrics=False,
+                                  transports=args.transports, log_dir=args.log_dir, extra_env=env))
     await cluster.start()
     rows = []
     try:

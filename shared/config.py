@@ -122,6 +122,8 @@ class RouterConfig:
     migrate_kv_high: float = 0.9  # a decode worker this full moves a stream to one below migrate_kv_low (> 1: off)
     migrate_kv_low: float = 0.6
     migrate_cooldown_s: float = 10.0  # a stream that moved stays put this long (no ping-pong)
+    migrate_skew_min: int = 4  # a decode worker this many streams above the least loaded one (and ...
+    migrate_skew_ratio: float = 2.0  # ... this many times as many) moves one to it; 0 = off
 
     def __post_init__(self) -> None:
         _check_cluster_fields(self)
@@ -135,7 +137,8 @@ class RouterConfig:
                 or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
                 or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
                 or self.tenant_max_inflight < 0 or self.dispatch_window < -1
-                or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0):
+                or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0
+                or self.migrate_skew_min < 0 or self.migrate_skew_ratio < 1):
             raise ValueError("invalid router config")
         parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:

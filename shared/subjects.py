@@ -135,10 +135,15 @@ def kv_events(worker_id: str) -> str:
 
 def kv_events_origin(subject: str) -> str:
     """The worker named by a ``kv_events`` subject."""
-    parts = subject.split(".")
-    if len(parts) != 5 or ".".join(parts[:4]) != f"{PREFIX}.kv.events":
-        raise ValueError(f"not a KV events subject: {subject!r}")
-    return parts[4]
+    return _named(subject, f"{PREFIX}.kv.events", 1, "KV events")[0]
+
+
+def _named(subject: str, prefix: str, count: int, what: str) -> list[str]:
+    """The ``count`` tokens that follow ``prefix`` in ``subject``; ``ValueError`` if it is not such a subject."""
+    head, parts = prefix.split("."), subject.split(".") if isinstance(subject, str) else []
+    if len(parts) != len(head) + count or parts[:len(head)] != head:
+        raise ValueError(f"not a {what} subject: {subject!r:.200}")
+    return parts[len(head):]
 
 
 def load_role(role: str) -> str:
@@ -148,10 +153,8 @@ def load_role(role: str) -> str:
 
 def load_origin(subject: str) -> tuple[str, str]:
     """``(role, worker id)`` named by a ``load`` subject."""
-    parts = subject.split(".")
-    if len(parts) != 5 or ".".join(parts[:3]) != f"{PREFIX}.load":
-        raise ValueError(f"not a heartbeat subject: {subject!r}")
-    return parts[3], parts[4]
+    role, worker = _named(subject, f"{PREFIX}.load", 2, "heartbeat")
+    return role, worker
 
 
 def kv_pull(owner: str, transfer_id: str) -> str:
@@ -214,10 +217,7 @@ def cache_puts_by(writer: str) -> str:
 
 def cache_put_writer(subject: str) -> str:
     """The writer named by a ``cache_put`` subject."""
-    parts = subject.split(".")
-    if len(parts) != 6 or ".".join(parts[:4]) != f"{PREFIX}.cache.put":
-        raise ValueError(f"not a cache put subject: {subject!r}")
-    return parts[5]
+    return _named(subject, f"{PREFIX}.cache.put", 2, "cache put")[1]
 
 
 def stats(service: str) -> str:

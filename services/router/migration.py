@@ -54,9 +54,10 @@ class Migrator:
 
     @classmethod
     def for_router(cls, nc, relay: Relay, table: WorkerTable, config, spawn: Callable) -> "Migrator":
-        """The router's migrator, its policy from ``RouterConfig`` (``migrate_kv_high`` > 1: drain only)."""
+        """The router's migrator, its policy from ``RouterConfig``."""
         policy = MigrationConfig(kv_high=config.migrate_kv_high, kv_low=config.migrate_kv_low,
-                                 cooldown_s=config.migrate_cooldown_s) if config.migrate_kv_high <= 1.0 else None
+                                 cooldown_s=config.migrate_cooldown_s, skew_min=config.migrate_skew_min,
+                                 skew_ratio=config.migrate_skew_ratio)
         return cls(nc, relay, table, policy=policy, on_drain=config.migrate_on_drain, spawn=spawn)
 
     def consider(self, now: float | None = None) -> list[tuple[str, str, str]]:
@@ -65,7 +66,7 @@ class Migrator:
         if (self.policy is None and not self.on_drain) or now - self._considered < CONSIDER_EVERY_S:
             return []
         self._considered = now
-        cfg = self.policy or MigrationConfig(kv_high=2.0)  # drain only
+        cfg = self.policy or MigrationConfig(kv_high=2.0, skew_min=0)  # drain only
         workers = [DecodeLoad(w.report.worker_id, w.report.num_running + w.inflight, w.report.kv_usage,
                               w.report.draining and self.on_drain)
                    for w in self.table.workers.values()

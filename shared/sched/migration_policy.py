@@ -7,6 +7,9 @@ Rules, in order:
 2. **KV pressure**: a decode worker whose KV pool is at least ``kv_high`` full is about to preempt by
    recompute; one stream per evaluation moves to a worker below ``kv_low``: the one with the most tokens left
    per token of context (the benefit, decode steps freed, over the cost, bytes moved).
+3. **Skew**: a decode worker running at least ``skew_min`` more streams than the least loaded one and
+   ``skew_ratio`` times as many (a worker that joined late, placements that ended unevenly) moves one stream
+   per evaluation to it, chosen as in 2.
 
 Bounds: at most ``per_source`` moves in flight out of one worker; never a stream that moved within
 ``cooldown_s`` (no ping-pong) nor one with fewer than ``min_tokens_left`` tokens to go (not worth its copy); a
@@ -25,6 +28,8 @@ class MigrationConfig:
     cooldown_s: float = 10.0
     per_source: int = 2
     min_tokens_left: int = 16
+    skew_min: int = 4       # rule 3 needs this many more running streams than the least loaded worker ...
+    skew_ratio: float = 2.0  # ... and this many times as many (skew_min <= 0: rule 3 off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +54,8 @@ class MovableStream:
 
 def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], streams: list[MovableStream],
                  in_flight: dict[str, int]) -> list[tuple[str, str, str]]:
-    """``(request id, target worker, reason)`` for each stream to move now (``reason``: ``drain`` or
-    ``kv_pressure``); ``in_flight``: moves under way per source worker."""
+    """``(request id, target worker, reason)`` for each stream to move now (``reason``: ``drain``,
+    ``kv_pressure`` or ``skew``); ``in_flight``: moves under way per source worker."""
     loads = {w.worker_id: [w.running, w.kv_usage] for w in workers if not w.draining}
     busy = dict(in_flight)
     moves: list[tuple[str, str, str]] = []
@@ -77,15 +82,28 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
                 moves.append((s.request_id, dest, "drain"))
                 busy[s.source] = busy.get(s.source, 0) + 1
     chosen = {m[0] for m in moves}
-    for w in workers:                                           # 2. KV pressure, one stream per source
-        if w.draining or w.kv_usage < cfg.kv_high:
-            continue
-        mine = [s for s in streams if s.source == w.worker_id and s.request_id not in chosen and movable(s, False)]
+
+    def relieve(source: str, kv_cap: float, reason: str) -> None:
+        mine = [s for s in streams if s.source == source and s.request_id not in chosen and movable(s, False)]
         if not mine:
-            continue
+            return
         pick = max(mine, key=lambda s: (s.tokens_left / max(1, s.context_tokens), s.request_id))
-        dest = target(w.worker_id, kv_cap=cfg.kv_low)
+        dest = target(source, kv_cap)
         if dest is not None:
-            moves.append((pick.request_id, dest, "kv_pressure"))
-            busy[w.worker_id] = busy.get(w.worker_id, 0) + 1
+            moves.append((pick.request_id, dest, reason))
+            chosen.add(pick.request_id)
+            busy[source] = busy.get(source, 0) + 1
+            loads[source][0] -= 1
+
+    for w in workers:                                           # 2. KV pressure, one stream per source
+        if not w.draining and w.kv_usage >= cfg.kv_high:
+            relieve(w.worker_id, cfg.kv_low, "kv_pressure")
+    if cfg.skew_min > 0 and len(loads) >= 2:                    # 3. skew, one stream per source
+        for w in sorted(workers, key=lambda w: -w.running):
+            if w.draining or w.worker_id not in loads:
+                continue
+            least = min(n for wid, (n, _) in loads.items() if wid != w.worker_id)
+            running = loads[w.worker_id][0]
+            if running - least >= cfg.skew_min and running >= cfg.skew_ratio * max(1, least):
+                relieve(w.worker_id, 1.0, "skew")
     return moves

@@ -68,12 +68,15 @@ def reference(folder: Path | str, prompts: list[list[int]], max_tokens: list[int
         torch.set_num_threads(threads)
 
 
-def chaos_cluster(server, folder: Path | str, prefill: int, decode: int, drain_grace_s: str) -> Cluster:
+def chaos_cluster(server, folder: Path | str, prefill: int, decode: int, drain_grace_s: str,
+                  migrate_on_drain: bool = True) -> Cluster:
     """The chaos tests' cluster: real processes on the tiny float64 model, every prompt prefilled remotely unless
-    a request asks for local prefill, the given drain grace period."""
+    a request asks for local prefill, the given drain grace period; ``migrate_on_drain`` False: a draining
+    decode worker hands its streams back instead of the router moving them."""
     return Cluster(ClusterSpec(prefill=prefill, decode=decode, nats_url=server.url, model=str(folder),
                                kv_cache_mb=32, local_prefill_threshold=0, dtype="float64",
-                               extra_env={"DEEPINFER_DRAIN_GRACE_S": drain_grace_s}))
+                               extra_env={"DEEPINFER_DRAIN_GRACE_S": drain_grace_s,
+                                          "DEEPINFER_MIGRATE_ON_DRAIN": str(migrate_on_drain).lower()}))
 
 
 def wall_clock(t_monotonic: float) -> str:

@@ -34,6 +34,7 @@ PROMPT_LEN = (12, 60)
 IDLE_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 90.0
 DRAIN_GRACE_S = "0.05"  # 0.2 s let every stream in flight finish once (4 of 4 under full-suite load): none handed back
+MIGRATE_GRACE_S = "20"  # the migrate variant: time for the router to move every stream (2 at a time per worker)
 # each original worker, its replacement (a new name: role-index)
 PLAN = [("decode", 0, 2), ("prefill", 0, 1), ("decode", 1, 3)]
 
@@ -48,10 +49,16 @@ def make_request(i: int) -> protocol.GenerateRequest:
 
 
 @pytest.mark.timeout(240)
-async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path):
+@pytest.mark.parametrize("drain", ["hand back", "migrate"])
+async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path, drain):
+    """``hand back``: the drain's grace is too short for long streams, which are handed back (re-prefilled
+    elsewhere). ``migrate``: the router moves a draining decode worker's streams (live migration) within a
+    longer grace: none is handed back or prefilled again."""
     folder = write_tiny_hf_folder(tmp_path / "tiny", seed=9, max_position_embeddings=4096)
     server = start_nats_server()
-    cluster = chaos_cluster(server, folder, prefill=1, decode=2, drain_grace_s=DRAIN_GRACE_S)
+    migrate = drain == "migrate"
+    grace = MIGRATE_GRACE_S if migrate else DRAIN_GRACE_S
+    cluster = chaos_cluster(server, folder, prefill=1, decode=2, drain_grace_s=grace, migrate_on_drain=migrate)
     outcomes: list[Outcome] = []
     lingering: list[asyncio.Task] = []
     exit_codes: dict[str, int] = {}
@@ -109,8 +116,8 @@ async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path):
     n_handed_back = sum(sum(v) for k, v in handed_back.items() if not k.startswith("router"))
     n_in_flight = sum(sum(v) for k, v in in_flight_at_drain.items() if not k.startswith("router"))
     print(f"\nrolling restart: sent={len(outcomes)} completed={len(outcomes) - len(failed)} failed={len(failed)} "
-          f"handed_back={n_handed_back} restarted={len(exit_codes)} workers\n"
-          f"  in flight at SIGTERM {n_in_flight} (finished in the {DRAIN_GRACE_S} s grace "
+          f"handed_back={n_handed_back} restarted={len(exit_codes)} workers ({drain})\n"
+          f"  in flight at SIGTERM {n_in_flight} (finished or moved in the {grace} s grace "
           f"{n_in_flight - n_handed_back}), requests by failovers {dict(sorted(failovers.items()))}, "
           f"busy at SIGTERM {busy_at_sigterm}, exit codes {exit_codes} (at stop {stop_codes})\n"
           f"  wall: cluster up {t_up - t0:.1f} s, load {t_load - t_up:.1f} s, stop {t_stopped - t_stop:.1f} s, "
@@ -121,6 +128,12 @@ async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path):
         + "\n".join(cluster.log_tail(name, 1500) for name, rc in exit_codes.items() if rc != 0))
     assert not failed, ("every request completes exactly:\n" + "\n".join(o.describe() for o in failed[:10]) + "\n"
                         + "\n".join(log_grep(cluster.log_dir, "WARNING") + log_grep(cluster.log_dir, "ERROR")))
+    migrated = sum(o.usage.get("migrations", 0) for o in outcomes if o.completed)
+    if migrate:
+        assert n_handed_back == 0 and set(failovers) == {0} and migrated > 0, (
+            f"the draining decode workers' streams moved, none re-prefilled: handed back {handed_back}, failovers "
+            f"{failovers}, migrations {migrated}")
+        return
     assert n_handed_back > 0 and sum(n for k, n in failovers.items() if k > 0) > 0, (
         f"long streams outlive the {DRAIN_GRACE_S} s grace and are handed back: {handed_back}, failovers "
         f"{failovers}")

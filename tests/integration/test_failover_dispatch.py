@@ -116,7 +116,8 @@ async def test_draining_decode_worker_hands_back_its_streams(nats_server, folder
     prompts = [[5 + i, 6, 7, 8] * 6 for i in range(4)]
     tokens = 600   # streams that outlast the drain's grace on a fast host (300 ended within 0.6 s on one)
     expected = reference_outputs(folder, prompts, tokens)
-    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.1) as cluster:
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.1,
+                                router_kw={"migrate_on_drain": False}) as cluster:   # the hand-back path
         tasks = [asyncio.create_task(generate_once(nats_server.url, request(p, tokens, prefill_mode="local")))
                  for p in prompts]
         victim = cluster.workers[0]

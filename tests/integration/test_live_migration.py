@@ -43,6 +43,14 @@ async def collect(nc, req, started: asyncio.Event | None = None, after: int = 4)
     return chunks
 
 
+async def streaming(nc, req, after: int = 4) -> asyncio.Task:
+    """``collect`` of ``req`` in a task, returned once ``after`` tokens arrived."""
+    started = asyncio.Event()
+    task = asyncio.create_task(collect(nc, req, started, after))
+    await asyncio.wait_for(started.wait(), 30)
+    return task
+
+
 async def ask_router(nc, cluster, rid: str, target: str = "") -> protocol.Ack:
     reply = await nc.request(subjects.ctl(cluster.router.config.worker_id, "migrate"),
                              protocol.encode(protocol.MigrateRequest(request_id=rid, target=target)), timeout=30)
@@ -52,7 +60,8 @@ async def ask_router(nc, cluster, rid: str, target: str = "") -> protocol.Ack:
 async def test_half_of_the_streams_move_mid_decode_and_stay_exact(nats_server, folder):
     ps = prompts(8)
     expected = reference_outputs(folder, ps, TOKENS)
-    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream") as cluster:
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
+                                router_kw={"migrate_skew_min": 0}) as cluster:   # the orders' moves only
         nc = await connect(nats_server.url)
         try:
             started = [asyncio.Event() for _ in ps]
@@ -82,9 +91,7 @@ async def test_a_seeded_sampled_stream_equals_its_unmigrated_twin(nats_server, f
         nc = await connect(nats_server.url)
         try:
             twin = (await generate(nc, request(prompt, "twin", **sampled)))[0]
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "moved", **sampled), started, after=10))
-            await asyncio.wait_for(started.wait(), 30)
+            task = await streaming(nc, request(prompt, "moved", **sampled), 10)
             await ask_router(nc, cluster, "moved")
             chunks = await task
         finally:
@@ -105,9 +112,7 @@ async def test_a_migration_that_fails_mid_way_leaves_the_stream_where_it_was(nat
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: the link broke mid-copy")
         nc = await connect(nats_server.url)
         try:
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "f"), started, after=6))
-            await asyncio.wait_for(started.wait(), 30)
+            task = await streaming(nc, request(prompt, "f"), 6)
             with monkeypatch.context() as patch:
                 for w in cluster.workers:
                     patch.setattr(w.transports["stream"], "fetch", broken)
@@ -133,9 +138,7 @@ async def test_a_failed_pre_copy_falls_back_to_shipping_every_block(nats_server,
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, "injected: the pre-copy's fetch failed")
         nc = await connect(nats_server.url)
         try:
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "p"), started, after=6))
-            await asyncio.wait_for(started.wait(), 30)
+            task = await streaming(nc, request(prompt, "p"), 6)
             hit = fault_first_call(monkeypatch, transports, "fetch", broken)
             await ask_router(nc, cluster, "p")
             chunks = await task
@@ -153,9 +156,7 @@ async def test_orders_that_cannot_be_served_are_refused(nats_server, folder):
             with pytest.raises(DeepinferError) as info:
                 await ask_router(nc, cluster, "nobody")
             assert info.value.code == ErrorCode.INVALID_REQUEST
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompts(1)[0], "alone"), started))
-            await asyncio.wait_for(started.wait(), 30)
+            task = await streaming(nc, request(prompts(1)[0], "alone"))
             with pytest.raises(DeepinferError) as info:          # one decode worker: nowhere to go
                 await ask_router(nc, cluster, "alone")
             assert info.value.code == ErrorCode.UNAVAILABLE
@@ -175,7 +176,7 @@ async def test_a_draining_decode_worker_moves_its_streams_instead_of_handing_the
     ps = prompts(6)
     expected = reference_outputs(folder, ps, TOKENS)
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
-                                router_kw={"migrate_kv_high": 2.0}) as cluster:   # the drain rule only
+                                router_kw={"migrate_kv_high": 2.0, "migrate_skew_min": 0}) as cluster:  # drain only
         nc = await connect(nats_server.url)
         try:
             started = [asyncio.Event() for _ in ps]
@@ -209,9 +210,7 @@ async def test_a_target_that_stops_answering_mid_copy_costs_a_pause_not_the_stre
             await asyncio.sleep(3600)
         nc = await connect(nats_server.url)
         try:
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "h"), started, after=6))
-            await asyncio.wait_for(started.wait(), 30)
+            task = await streaming(nc, request(prompt, "h"), 6)
             hit = fault_first_call(monkeypatch, transports, "fetch", hang)
             with pytest.raises(DeepinferError):
                 await ask_router(nc, cluster, "h")

@@ -103,8 +103,8 @@ async def test_hand_back_and_cancel_are_counted_once_each(nats_server, tmp_path)
         return protocol.GenerateRequest(prompt_token_ids=[5 + i, 6, 7, 8] * 6, max_tokens=max_tokens,
                                         temperature=0.0, ignore_eos=True, prefill_mode="local")
 
-    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.2,
-                                kv_cache_mb=64) as cluster:
+    async with InProcessCluster(nats_server.url, folder, prefill=0, decode=2, drain_grace_s=0.2, kv_cache_mb=64,
+                                router_kw={"migrate_on_drain": False}) as cluster:   # hand-back, not migration
         victim, survivor = cluster.workers
         tasks = [asyncio.create_task(generate_once(nats_server.url, req(i, 300))) for i in range(3)]
         # every stream is held by a worker (none still in dispatch, where a refusal would be a failover too)

@@ -102,7 +102,7 @@ async def test_draft_service_is_exact_and_a_dead_or_slow_one_changes_nothing(nat
 
 async def test_a_handed_back_speculating_stream_continues_exactly(nats_server, folder, expected):
     async with InProcessCluster(nats_server.url, folder, decode=2, draft="local", drafter="self:1",
-                                drain_grace_s=0.0) as cluster:
+                                drain_grace_s=0.0, router_kw={"migrate_on_drain": False}) as cluster:
         decode0 = cluster.workers[1]
         task = asyncio.create_task(generate_once(nats_server.url, request(PROMPTS[0], max_tokens=200)))
         assert await wait_until(lambda: bool(decode0.active) or bool(cluster.workers[2].active), 20)

@@ -2,7 +2,8 @@
 with room, the cheapest to move first; bounded per source, no ping-pong, never to the source or a draining one."""
 from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
 
-CFG = MigrationConfig(kv_high=0.9, kv_low=0.6, cooldown_s=10.0, per_source=2, min_tokens_left=16)
+CFG = MigrationConfig(kv_high=0.9, kv_low=0.6, cooldown_s=10.0, per_source=2, min_tokens_left=16, skew_min=0)
+SKEW = MigrationConfig(skew_min=4, skew_ratio=2.0)
 
 
 def stream(rid, source, context=100, left=100, moved_at=None, moving=False):
@@ -37,3 +38,13 @@ def test_no_ping_pong_and_nothing_moves_twice_at_once():
     assert choose_moves(CFG, 106.0, workers, recent, {}) == [("a", "d1", "kv_pressure")]
     draining = [DecodeLoad("d0", 4, 0.5, draining=True), DecodeLoad("d1", 1, 0.1)]
     assert choose_moves(CFG, 100.0, draining, recent, {}) == [("a", "d1", "drain")]  # a drain overrides cooldown
+
+
+def test_a_skewed_pair_evens_out_one_stream_per_evaluation():
+    workers = [DecodeLoad("old", 12, 0.5), DecodeLoad("new", 0, 0.0)]
+    streams = [stream(f"s{i}", "old", context=100 + i, left=200) for i in range(12)]
+    moves = choose_moves(SKEW, 0.0, workers, streams, {})
+    assert moves == [("s0", "new", "skew")]                       # most tokens left per token of context
+    near = [DecodeLoad("old", 5, 0.5), DecodeLoad("new", 3, 0.5)]
+    assert choose_moves(SKEW, 0.0, near, streams, {}) == []       # 2 apart: not skewed
+    assert choose_moves(CFG, 0.0, workers, streams, {}) == []     # rule off

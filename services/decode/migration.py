@@ -62,9 +62,6 @@ class MigrationDesk:
         self.sent = self.failed = 0
         self.precopied_blocks = 0
 
-    def has_order(self, request_id: str) -> bool:
-        return request_id in self.orders
-
     async def on_migrate(self, msg) -> None:
         """``ctl(<worker>, "migrate")``: detach the request, then answer once the hand-over is settled."""
         req = protocol.decode(msg.data, protocol.MigrateRequest)

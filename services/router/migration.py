@@ -38,9 +38,10 @@ CONSIDER_EVERY_S = 0.25
 
 
 class Migrator:
-    """``policy`` None: only operators' orders; ``spawn`` runs the policy's moves as tracked tasks."""
+    """``policy`` None: only operators' orders; ``spawn`` runs the policy's moves as tracked tasks. ``timeout_s``
+    outlasts a worker's worst case (a pre-copy and a switch, each within its 30 s hand-off timeout)."""
 
-    def __init__(self, nc, relay: Relay, table: WorkerTable, timeout_s: float = 40.0, max_inflight: int = 8,
+    def __init__(self, nc, relay: Relay, table: WorkerTable, timeout_s: float = 75.0, max_inflight: int = 8,
                  policy: MigrationConfig | None = None, on_drain: bool = True,
                  spawn: Callable = lambda coro: None) -> None:
         self.nc, self.relay, self.table = nc, relay, table

@@ -237,7 +237,8 @@ class Relay:
                     if not self.table.is_alive(w.report.worker_id):
                         raise AttemptFailed(ErrorCode.WORKER_LOST, f"worker {w.report.worker_id} stopped "
                                             "responding", {w.report.worker_id}) from None
-                await watch.idle([w.report.worker_id for w in watched])
+                await watch.idle([w.report.worker_id for w in watched],
+                                 handing_off=att.prefill_w is not None and expected == 1)
                 continue
             watch.chunk()
             chunk = protocol.decode(msg.data, protocol.TokenChunk)
@@ -275,25 +276,40 @@ class Relay:
 class _StallWatch:
     """Probes the attempt's workers after ``every_s`` without a chunk. When every probed worker answers that it
     no longer holds the request, the attempt gets one more quiet interval (a final chunk published just before
-    the answer is already queued for us); still nothing then means its end was lost in transit."""
+    the answer is already queued for us); still nothing then means its end was lost in transit. During a
+    hand-off (the prefill worker's first token is in, ``watched`` is [decode, prefill]), a decode worker that
+    does not hold the request while the prefill worker still does, for ``HANDOFF_LOST_S``, never got the
+    hand-off (a route not yet back after a link outage): the attempt fails over then, not after the prefill
+    worker's whole hand-off timeout. The decode worker holds a hand-off from its arrival (during the fetch)."""
+
+    HANDOFF_LOST_S = 8.0
 
     def __init__(self, relay: Relay, work_id: str, every_s: float) -> None:
         self.relay, self.work_id, self.every_s = relay, work_id, every_s
         self.next_probe = time.monotonic() + every_s
         self.orphaned = False
+        self.unreceived_since: float | None = None
 
     def chunk(self) -> None:
-        self.next_probe, self.orphaned = time.monotonic() + self.every_s, False
+        self.next_probe, self.orphaned, self.unreceived_since = time.monotonic() + self.every_s, False, None
 
-    async def idle(self, worker_ids: list[str]) -> None:
+    async def idle(self, worker_ids: list[str], handing_off: bool = False) -> None:
         if self.orphaned:
             raise AttemptFailed(ErrorCode.WORKER_LOST, f"the stream of {self.work_id} stalled and no worker holds "
                                 "it: its end was lost in transit", set())
-        if time.monotonic() < self.next_probe:
+        now = time.monotonic()
+        if now < self.next_probe:
             return
-        self.next_probe = time.monotonic() + self.every_s
+        self.next_probe = now + self.every_s
         held = [await self.relay.probe(wid, self.work_id) for wid in worker_ids]
         self.orphaned = all(h is False for h in held)
+        if not (handing_off and held[0] is False and held[-1] is True):
+            self.unreceived_since = None
+        elif self.unreceived_since is None:
+            self.unreceived_since = now
+        elif now - self.unreceived_since >= self.HANDOFF_LOST_S:
+            raise AttemptFailed(ErrorCode.TRANSFER_FAILED, f"the hand-off of {self.work_id} never reached "
+                                f"{worker_ids[0]}", {worker_ids[0]})
 
 
 def attempt_id(rid: str, attempt: int) -> str:

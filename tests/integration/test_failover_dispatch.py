@@ -158,3 +158,24 @@ async def test_chunks_lost_in_transit_are_recovered_exactly(nats_server, folder,
         ids, _, usage = await generate_once(nats_server.url, request(prompt, 12, prefill_mode="local"))
     assert dropped and ids == expected
     assert usage["completion_tokens"] == 12 and usage["failovers"] == 1
+
+
+async def test_a_hand_off_that_never_arrives_fails_over_before_the_hand_off_timeout(nats_server, folder, monkeypatch):
+    """The prefill worker's hand-off request reaches no decode worker and no reply comes (a route not back
+    after a link outage): the router sees the decode worker not holding the request while the prefill worker
+    does, and fails over after ``HANDOFF_LOST_S``. The request's own deadline (60 s) is shorter than the
+    prefill worker's hand-off timeout (120 s here): without that, the request would time out."""
+    prompt = [9, 8, 7, 6, 5] * 8
+    expected = reference_outputs(folder, [prompt], 20)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, handoff_timeout_s=120.0) as cluster:
+        prefill = cluster.workers[0]
+        real, lost = prefill.nc.request, []
+
+        async def request_or_lose(subject, *args, **kwargs):
+            if subject.startswith(subjects.decode("x")[:-1]) and not lost:
+                lost.append(subject)
+                await asyncio.sleep(3600)              # the hand-off went nowhere: no reply, ever
+            return await real(subject, *args, **kwargs)
+        monkeypatch.setattr(prefill.nc, "request", request_or_lose)
+        tokens, _, usage = await generate_once(nats_server.url, request(prompt, 20, prefill_mode="remote"))
+    assert lost and tokens == expected and usage["failovers"] == 1

@@ -27,7 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from shared import protocol, subjects
 from shared.engine.migration import Detached
@@ -137,11 +137,12 @@ class MigrationDesk:
             await msg.respond(protocol.encode(protocol.Ack(detail=str(kept))))
 
     async def hand_over(self, req: protocol.KVHandoff | protocol.DecodeLocalRequest, seq: int, extra: dict,
-                        deadline: float, before_drop: Callable[[int], Awaitable[None]]) -> Callable[[], object] | None:
+                        deadline: float) -> Callable[[], object] | None:
         """Send the detached request to its order's target, continuing at chunk ``seq`` with the usage ``extra``
         so far; ``deadline`` is the request's (loop time). Returns None once the target runs it (the source's
-        copy is gone: ``before_drop(cached_tokens)`` ran first, e.g. the write-back of what this worker
-        prefilled), else the engine command that reattaches it here (the order's error is answered)."""
+        copy is gone; a request this worker prefilled itself first wrote its computed blocks back to the tier,
+        as its end would have), else the engine command that reattaches it here (the order's error is
+        answered)."""
         w, rid = self.worker, req.request_id
         order = self.orders[rid]
         moved, eng = order.moved, w.engine
@@ -180,7 +181,9 @@ class MigrationDesk:
             logger.warning("[%s] migration to %s failed, decoding on here: %s", rid, order.target, failure)
             _settle(order.done, failure)
             return lambda: eng.reattach(rid)
-        await before_drop(moved.num_cached_tokens)
+        if isinstance(req, protocol.DecodeLocalRequest):  # a hand-off's prompt went back from its prefill worker
+            await w.tier_write_back(rid, moved.num_cached_tokens // eng.config.block_size, req.cache_salt,
+                                    req.retention)
         await w.aengine.call(lambda: eng.drop_detached(rid))
         self.sent += 1
         w.metrics.handoff(order.transport, "migrated", int(handle.get("nbytes", 0)), time.perf_counter() - t0)

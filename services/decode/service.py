@@ -26,10 +26,6 @@ from shared.worker import Worker, sampling_params
 logger = logging.getLogger(__name__)
 
 
-async def _nothing() -> None:
-    """A hand-off's prompt blocks were written back by its prefill worker: a migration adds none."""
-
-
 class DecodeService(Worker):
     async def serve_handlers(self) -> None:
         self.desk = MigrationDesk(self)
@@ -97,9 +93,7 @@ class DecodeService(Worker):
                         async for out in self.aengine.run(rid, submit, params.max_tokens + 1, on_admitted):
                             submit = on_admitted = None
                             if out.finish_reason == MIGRATING:  # every chunk before it is published: seq is next
-                                submit = await self.desk.hand_over(req, seq, extra, deadline, lambda cached: (
-                                    self.tier_write_back(rid, cached // eng.config.block_size, req.cache_salt,
-                                                         req.retention) if not handoff else _nothing()))
+                                submit = await self.desk.hand_over(req, seq, extra, deadline)
                                 outcome = OUTCOME_MIGRATED if submit is None else outcome
                                 hold = hold and submit is not None
                                 continue

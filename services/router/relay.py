@@ -91,7 +91,6 @@ class Attempt:
     prefill_w: WorkerState | None
     decode_w: WorkerState
     account: InflightAccount
-    transport: str | None
     decoding: bool = False  # the decode worker streams: its running KV can move
     migrating: bool = False
 
@@ -161,7 +160,7 @@ class Relay:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
         account = InflightAccount(prefill_w, decode_w, len(prompt))
-        stream.attempt = Attempt(work_id, prefill_w, decode_w, account, transport)
+        stream.attempt = Attempt(work_id, prefill_w, decode_w, account)
         finished = False
         try:
             deadline_s = stream.deadline - time.monotonic()

@@ -14,12 +14,12 @@ from tests.integration.services_harness import (InProcessCluster, all_blocks_fre
                                                 reference_outputs, wait_until)
 from tests.model_factory import write_tiny_hf_folder
 
-TOKENS = 400
+TOKENS = 1000  # long enough that every stream still runs when its order comes (orders go one by one)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=512)
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=7, max_position_embeddings=2048)
 
 
 def prompts(n: int) -> list[list[int]]:

@@ -61,7 +61,7 @@ async def test_half_of_the_streams_move_mid_decode_and_stay_exact(nats_server, f
     ps = prompts(8)
     expected = reference_outputs(folder, ps, TOKENS)
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
-                                router_kw={"migrate_skew_min": 0}) as cluster:   # the orders' moves only
+                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:  # orders only
         nc = await connect(nats_server.url)
         try:
             started = [asyncio.Event() for _ in ps]

@@ -59,6 +59,10 @@ def add_parser(sub) -> None:
                          "--nats needs this or --no-auth")
     up.add_argument("--tenants", default="", metavar="A,B",
                     help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
+    up.add_argument("--switchable", action="store_true",
+                    help="prefill and decode workers can switch role without reloading (worker-<n>; the planner's)")
+    up.add_argument("--planner", action="store_true",
+                    help="the router's online P:D planner: moves switchable workers between prefill and decode")
     up.add_argument("--demo", action="store_true", help="send one demo chat request through the HTTP API once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
@@ -121,7 +125,8 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
                        draft=draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
-                       tenants=[t.strip() for t in args.tenants.split(",") if t.strip()])
+                       tenants=[t.strip() for t in args.tenants.split(",") if t.strip()],
+                       switchable=args.switchable, planner=args.planner)
 
 
 def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:

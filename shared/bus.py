@@ -141,7 +141,7 @@ class ServiceRuntime:
         self._registering: asyncio.Task | None = None  # the heartbeat loop's registry put in flight
         self._closed = False
 
-    async def serve(self, subject: str, handler: Handler, queue: str = "", work: bool = True) -> None:
+    async def serve(self, subject: str, handler: Handler, queue: str = "", work: bool = True):
         """Subscribe ``handler``; every message runs as a task with the one error contract. ``work`` handlers
         are tracked for the drain, at most ``max_inflight`` at once (more are refused ``overloaded``), and
         refused once draining; control handlers (``work=False``) always run."""
@@ -162,6 +162,7 @@ class ServiceRuntime:
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=4096)
         if work and queue:
             self._queue_subs.append(sub)
+        return sub
 
     async def _guard(self, subject: str, handler: Handler, msg: Msg) -> None:
         try:
@@ -265,6 +266,11 @@ class ServiceRuntime:
         for sub in self._queue_subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        await self.beat()
+
+    async def rejoin(self, info: protocol.WorkerInfo) -> None:
+        """After a drain that did not close (a role switch): serve again as ``info`` (heartbeat + registry)."""
+        self.info, self.draining = dataclasses.replace(info, draining=False), False
         await self.beat()
 
     async def finish_inflight(self, grace_s: float,

@@ -55,6 +55,8 @@ class ClusterSpec:
     tier_id: str = ""  # the cache tier this host's workers use when it runs none ("" = none)
     registry_replicas: int = 1  # JetStream replicas of the registry bucket (3 in a 3-node cluster)
     passwords: dict[str, str] = field(default_factory=dict, repr=False)  # auth: every node's same; {} = fresh
+    switchable: bool = False  # prefill and decode workers can switch role (``services/switchable``; P:D planner)
+    planner: bool = False  # the router runs the online P:D planner (``--planner``)
 
     temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
 
@@ -62,6 +64,9 @@ class ClusterSpec:
         if self.auth and self.nats_url and not self.passwords:
             raise ValueError("auth without the embedded nats-server needs that server's passwords "
                              "(its users are not ours to make)")
+        if self.switchable and self.auth and (self.nats_url or self.nats_cluster is not None):
+            raise ValueError("switchable workers with auth need the lone embedded nats-server (each gets its own "
+                             "instance user with both roles' rights)")
         if self.tenants and not self.auth:
             raise ValueError("tenants need auth=True (a tenant is a NATS user)")
         for tenant in self.tenants:

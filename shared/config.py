@@ -52,6 +52,7 @@ class WorkerConfig:
     spec_log: str = ""  # append an acceptance log (JSON lines) here, for ``deepinfer spec train-head``
     draft_timeout_s: float = 0.1  # draft=remote: a step waits at most this for proposals, then decodes plainly
     router_dead_after_s: float = 5.0  # work of a router silent this long is stopped (shared/router_watch.py)
+    switchable: bool = False  # serves prefill or decode, switching on ``ctl(<id>, "role")`` (P:D planner)
 
     def __post_init__(self) -> None:
         _check_cluster_fields(self)
@@ -124,6 +125,18 @@ class RouterConfig:
     migrate_cooldown_s: float = 10.0  # a stream that moved stays put this long (no ping-pong)
     migrate_skew_min: int = 4  # a decode worker this many streams above the least loaded one (and ...
     migrate_skew_ratio: float = 2.0  # ... this many times as many) moves one to it; 0 = off
+    migrate_tpot_slo_s: float = 0.0  # a decode worker stepping slower than this moves a stream to one with
+    # headroom (0 = off)
+    planner: bool = False  # the online P:D planner (shared/sched/pd_planner.py; services/router/planner.py)
+    planner_ttft_slo_s: float = 2.0
+    planner_tpot_slo_s: float = 0.1
+    planner_sustain: int = 3  # evaluations (one per planner_interval_s) that must agree before a decision
+    planner_interval_s: float = 1.0
+    planner_cooldown_s: float = 30.0  # between two decisions
+    planner_dwell_s: float = 120.0  # a worker that switched role keeps it this long
+    planner_scaler: str = "none"  # where no worker can switch: none | kubernetes (the Deployments' scale)
+    planner_max_prefill: int = 0  # scaling bounds (0 = that role is not scaled up)
+    planner_max_decode: int = 0
 
     def __post_init__(self) -> None:
         _check_cluster_fields(self)
@@ -138,7 +151,8 @@ class RouterConfig:
                 or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
                 or self.tenant_max_inflight < 0 or self.dispatch_window < -1
                 or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0
-                or self.migrate_skew_min < 0 or self.migrate_skew_ratio < 1):
+                or self.migrate_skew_min < 0 or self.migrate_skew_ratio < 1 or self.migrate_tpot_slo_s < 0
+                or self.planner_interval_s <= 0 or self.planner_scaler not in ("none", "kubernetes")):
             raise ValueError("invalid router config")
         parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:

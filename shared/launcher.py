@@ -131,24 +131,32 @@ class Cluster:
         """``<role>-<index>``, or ``<role>-<host name>-<index>`` on a named host of a multi-host cluster."""
         return f"{role}-{self.spec.name}-{index}" if self.spec.name else f"{role}-{index}"
 
+    def worker_id(self, role: str, index: int) -> str:
+        """Prefill or decode worker ``index``'s id: ``service_id(role, index)``; switchable workers (their role
+        changes) are ``worker-<n>``, prefill ones first."""
+        if self.spec.switchable:
+            return self.service_id("worker", index + (self.spec.prefill if role == "decode" else 0))
+        return self.service_id(role, index)
+
     def _common_args(self, name: str) -> list[str]:
         return ["--nats-url", self.nats_url, "--worker-id", name, "--registry-replicas",
                 str(self.spec.registry_replicas)]
 
     def spawn_worker(self, role: str, index: int) -> str:
         s = self.spec
-        name = self.service_id(role, index)
+        name = self.worker_id(role, index)
         engines = max(1, s.prefill + s.decode)
         threads = max(1, len(os.sched_getaffinity(0)) // engines)
         tier_id = self.service_id("cache", index % s.cache_tier) if s.cache_tier else s.tier_id
         tier = ["--cache-tier", tier_id] if tier_id else []
-        if role == "decode" and s.draft:
+        if (role == "decode" or s.switchable) and s.draft:
             tier += ["--draft", "local" if s.draft == "local" else "remote", "--drafter", s.drafter]
-        self._spawn(name, f"services.{role}", [*self._common_args(name),
+        module, user = (("services.switchable", nats_auth.SWITCHABLE) if s.switchable else (f"services.{role}", role))
+        self._spawn(name, module, [*self._common_args(name), *(["--role", role] if s.switchable else []),
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),
-                                               *(["--model", s.model] if s.model else [])], threads, role)
+                                               *(["--model", s.model] if s.model else [])], threads, user)
         return name
 
     def spawn_draft(self, index: int) -> str:
@@ -196,10 +204,11 @@ class Cluster:
         if not self._instance_users:
             return []
         drafts = int(s.draft) if s.draft not in ("", "local") else 0
+        worker = nats_auth.SWITCHABLE if s.switchable else ""
         return [*([("router", self.router_name)] if s.router else []),
                 *(("cache-tier", self.service_id("cache", i)) for i in range(s.cache_tier)),
-                *(("prefill", self.service_id("prefill", i)) for i in range(s.prefill)),
-                *(("decode", self.service_id("decode", i)) for i in range(s.decode)),
+                *((worker or "prefill", self.worker_id("prefill", i)) for i in range(s.prefill)),
+                *((worker or "decode", self.worker_id("decode", i)) for i in range(s.decode)),
                 *(("draft", self.service_id("draft", i)) for i in range(drafts))]
 
     def respawn_router(self) -> None:
@@ -236,7 +245,8 @@ class Cluster:
                 "--local-prefill-threshold", str(s.local_prefill_threshold), "--policy", s.policy,
                 "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
                 *(["--model", s.model] if s.model else []),
-                *(["--served-model-name", s.served_model_name] if s.served_model_name else [])]
+                *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
+                *(["--planner", "true"] if s.planner else [])]
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
         nc = await self.connect_as(nats_auth.MONITOR, "launcher")  # may subscribe to heartbeats, nothing more

@@ -42,6 +42,7 @@ from shared.nats_cluster import ROUTE_USER, NatsClusterNode
 
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
+SWITCHABLE = "worker"  # a switchable worker (prefill or decode, ``services/switchable``): both roles' rights
 TENANT_PREFIX = "client-"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs
 INSTANCE_SEP = "."  # <role>.<instance>: two subject tokens (its inbox is _INBOX.<role>.<instance>.>)
@@ -86,8 +87,9 @@ def tenant_of_user(user: str) -> str | None:
 
 
 def instance_user(role: str, instance: str) -> str:
-    """The NATS user of service ``instance`` (its worker id) of ``role`` (one of ``ROLES`` but ``client``)."""
-    if role not in HEARTBEAT_ROLE:
+    """The NATS user of service ``instance`` (its worker id) of ``role`` (one of ``ROLES`` but ``client``, or
+    ``SWITCHABLE``)."""
+    if role not in HEARTBEAT_ROLE and role != SWITCHABLE:
         raise ValueError(f"instance users are for service roles {sorted(HEARTBEAT_ROLE)}, not {role!r}")
     return role + INSTANCE_SEP + _check_name(instance, "instance")
 
@@ -125,14 +127,15 @@ def _instance(role: str, instance: str, tenants: Sequence[str]) -> Permissions:
     """``role``'s permissions bound to ``instance``: it publishes heartbeats, its registry entry and cache puts
     only under its own id, and hears only the work, control and cache subjects addressed to it."""
     base, own = permissions(role, tenants), _own_inbox(instance_user(role, instance))[0]
-    pub = {S.load_role(HEARTBEAT_ROLE[role]): S.load(instance, HEARTBEAT_ROLE[role]), S.inbox_all(role): own,
+    beats = ("prefill", "decode") if role == SWITCHABLE else (HEARTBEAT_ROLE[role],)
+    pub = {**{S.load_role(r): S.load(instance, r) for r in beats}, S.inbox_all(role): own,
            S.KV_EVENTS: S.kv_events(instance),
            S.REGISTRY_KV: S.REGISTRY_KV.removesuffix(">") + instance, S.cache_all("put"): S.cache_puts_by(instance)}
     sub = {S.inbox_all(role): own, S.PREFILL_ALL: S.prefill(instance), S.DECODE_ALL: S.decode(instance),
            S.KV_PULL_ALL: S.kv_pulls_of(instance),
            S.cache_all("put"): S.cache_puts(instance),
            **{S.cache_all(op): S.cache(op, instance) for op in S.CACHE_OPS if op != "put"},
-           **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats", "migrate")}}
+           **{S.ctl_all(op): S.ctl(instance, op) for op in ("kv_snapshot", "probe", "stats", "migrate", "role")}}
     return Permissions(publish=tuple(pub.get(s, s) for s in base.publish),
                        subscribe=tuple(sub.get(s, s) for s in base.subscribe), allow_responses=base.allow_responses)
 
@@ -150,7 +153,8 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         clients = ["client", *(tenant_user(t) for t in tenants)]
         return _service(user,
                         publish=(S.PREFILL_ALL, S.DECODE_ALL, S.WORK_CANCEL, S.ctl_all("kv_snapshot"),
-                                 S.ctl_all("probe"), S.ctl_all("migrate"), *(S.inbox_all(c) for c in clients)),
+                                 S.ctl_all("probe"), S.ctl_all("migrate"), S.ctl_all("role"),
+                                 *(S.inbox_all(c) for c in clients)),
                         subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.HELD,
                                    S.HELD_TENANTS, S.LOAD_ALL, S.KV_EVENTS, S.ctl_all("migrate")))
     if user in ("prefill", "decode"):
@@ -163,6 +167,13 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
             return _service(user, publish=(*worker_pub, S.DECODE_ALL), subscribe=(S.PREFILL_ALL, *worker_sub))
         return _service(user, publish=(*worker_pub, S.DRAFT_ALL, S.DECODE_ALL),  # live migration hand-offs
                         subscribe=(S.DECODE_ALL, S.ctl_all("migrate"), *worker_sub))
+    if user == SWITCHABLE:  # prefill's and decode's rights (both heartbeat subjects), and the role switch
+        both = (permissions("prefill", tenants), permissions("decode", tenants))
+        own = {S.inbox_all("prefill"), S.inbox_all("decode")}  # theirs, not this user's
+        merge = lambda lists: tuple(dict.fromkeys(s for lst in lists for s in lst if s not in own))
+        return Permissions(publish=(*merge(p.publish for p in both), *_own_inbox(user)),
+                           subscribe=(*merge(p.subscribe for p in both), S.ctl_all("role"), *_own_inbox(user)),
+                           allow_responses=True)
     if user == "draft":
         return _service(user, publish=(), subscribe=(S.DRAFT_ALL,))
     if user == "cache-tier":
@@ -177,7 +188,8 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
                            subscribe=_own_inbox(user))
     if user == MONITOR:
         return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)))
-    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {MONITOR!r} or {TENANT_PREFIX}<tenant>")
+    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r} or "
+                     f"{TENANT_PREFIX}<tenant>")
 
 
 def user_names(tenants: Sequence[str] = (), monitor: bool = True) -> list[str]:

@@ -76,6 +76,8 @@ class LoadReport(WireModel):
     instance: str = ""              # random per process start: a restart under the same worker id is another one
     max_model_len: int = 0          # the engine's context window in tokens (0 = no model / not reported)
     max_num_seqs: int = 0           # sequences the engine batches at once (the router's dispatch window; 0 = n/a)
+    step_ms: float = 0.0            # recent engine step time while it has work (decode: ms per output token)
+    switchable: bool = False        # a prefill/decode worker that changes role on ``ctl(worker, "role")``
 
     def _check(self) -> None:
         _check_worker("worker_id", self.worker_id)
@@ -89,7 +91,19 @@ class LoadReport(WireModel):
             _check_range(name, getattr(self, name), 0)
         _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
         _check_range("tier_block_s", self.tier_block_s, 0.0, 60.0)
+        _check_range("step_ms", self.step_ms, 0.0, 3.6e6)
         _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class RoleSwitch(WireModel):
+    """Router (its P:D planner) or operator -> a switchable worker on ``subjects.ctl(worker, "role")``: drain
+    (prefills finish, decode streams migrate or are handed back), then serve ``role``; the model stays loaded.
+    The reply (an ``Ack``, or an ``ErrorReply``) comes once the worker serves the new role."""
+    role: str
+
+    def _check(self) -> None:
+        _check_one_of("role", self.role, ("prefill", "decode"))
 
 
 @wire_message(MAX_CONTROL_BYTES)

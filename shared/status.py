@@ -3,8 +3,9 @@
 ``collect(nc, listen_s)`` listens to heartbeats (``di.v1.load.*.*``) for ``listen_s`` to find every service, then
 asks each one for its ``StatsReply`` on ``subjects.stats(service)`` (bounded wait each; a service that does not
 answer is listed with its heartbeat only). ``format_status`` renders workers (role, load, KV usage, prefix-cache
-hit rate), cache tiers (blocks and bytes per tier, hits, evictions, expiries) and the routers' accounting (per
-tenant and retention class: cached vs uncached prompt tokens, hit rate, cost at the configured prices).
+hit rate), cache tiers (blocks and bytes per tier, hits, evictions, expiries), the routers' live migrations and P:D
+planner decisions, and their accounting (per tenant and retention class: cached vs uncached prompt tokens, hit
+rate, cost at the configured prices).
 """
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def _elastic_lines(router_id: str, stats: dict) -> list[str]:
+    """A router's live migrations and P:D planner: pressures, decision counts, the latest decisions."""
+    lines = []
+    moves = stats.get("migrations")
+    if moves:
+        lines.append(f"migrations ({router_id}): done {moves['done']}  failed {moves['failed']}  started by policy "
+                     f"{moves['started_by_policy'] or '{}'}")
+    plan = stats.get("planner")
+    if plan:
+        lines.append(f"P:D planner ({router_id}{', acting' if plan['leader'] else ', standing by'}): pressure "
+                     f"prefill {plan['prefill_pressure']:.2f} decode {plan['decode_pressure']:.2f}  decisions "
+                     f"{plan['decisions'] or '{}'}  failed {plan['failed']}")
+        for a in plan["recent"][-5:]:
+            what = f"{a['worker_id']} -> {a['role']}" if a["kind"] == "switch" else f"{a['role']} {a['delta']:+d}"
+            lines.append(f"  {a['kind']:<6} {what:<28} {a['reason']:<18} (prefill {a['prefill_pressure']:.2f}, "
+                         f"decode {a['decode_pressure']:.2f})")
+    return lines
+
+
 def format_status(status: dict) -> str:
     services = status["services"]
     if not services:
@@ -72,9 +92,13 @@ def format_status(status: dict) -> str:
                      f"dram {store['dram_hits']} ssd {store['ssd_hits']} miss {store['misses']}  evicted "
                      f"{store['dram_evictions']}/{store['ssd_evictions']}  expired "
                      f"{store['dram_expiries'] + store['ssd_expiries']}")
+        if load.get("switchable"):
+            line += "  (switchable)"
         if load.get("draining"):
             line += "  (draining)"
         lines.append(line)
+    for wid, s in sorted(services.items()):
+        lines += _elastic_lines(wid, s["stats"] or {})
     for wid, s in sorted(services.items()):
         accounting = (s["stats"] or {}).get("accounting")
         if not accounting:

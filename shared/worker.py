@@ -50,7 +50,7 @@ class Worker(Service):
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
         self.tier: TierClient | None = None
         self.spec_log = None
-        self.metrics = WorkerMetrics(config.worker_id, config.role)  # one registry per worker (shared/metrics)
+        self.metrics = WorkerMetrics(config.worker_id, "switchable" if config.switchable else config.role)
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
         self._handing_back = False
@@ -74,7 +74,7 @@ class Worker(Service):
         def build() -> LLMEngine:  # on the engine thread: the only thread of this process that runs torch ops
             engine = LLMEngine.from_path(c.model or None, engine_cfg)
             engine.set_kv_event_sink(self.kv_events.sink)  # before stepping starts
-            if c.role == "decode" and c.draft:
+            if (c.role == "decode" or c.switchable) and c.draft:
                 engine.set_speculator(self._speculator(engine, loop))
             return engine
 
@@ -107,12 +107,13 @@ class Worker(Service):
         await self.runtime.serve(subjects.stats(c.worker_id), self.on_stats, work=False)
         self.kv_events.start()
         self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq,
+                                              "switchable": self.config.switchable,
                                               "tier_block_s": self.tier.counters.block_pull_s if self.tier else 0.0})
         if c.metrics_port:
             await self.metrics_server.start(c.metrics_port)
         logger.info("%s ready (transports %s)", c.worker_id, offered)
 
-    async def serve_handlers(self) -> None:
+    async def serve_handlers(self) -> list:
         raise NotImplementedError
 
     def _speculator(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):

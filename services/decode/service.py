@@ -27,10 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeService(Worker):
-    async def serve_handlers(self) -> None:
+    async def serve_handlers(self) -> list:
+        """Subscribe the decode work subject and the migration control; returns the subscriptions."""
         self.desk = MigrationDesk(self)
-        await self.runtime.serve(subjects.decode(self.config.worker_id), self.on_message)
-        await self.runtime.serve(subjects.ctl(self.config.worker_id, "migrate"), self.desk.on_migrate, work=False)
+        return [await self.runtime.serve(subjects.decode(self.config.worker_id), self.on_message),
+                await self.runtime.serve(subjects.ctl(self.config.worker_id, "migrate"), self.desk.on_migrate,
+                                         work=False)]
 
     async def on_message(self, msg) -> None:
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest, protocol.KVPrecopy))

@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillService(Worker):
-    async def serve_handlers(self) -> None:
-        await self.runtime.serve(subjects.prefill(self.config.worker_id), self.on_prefill)
+    async def serve_handlers(self) -> list:
+        """Subscribe the prefill work subject; returns the subscriptions."""
+        return [await self.runtime.serve(subjects.prefill(self.config.worker_id), self.on_prefill)]
 
     async def on_prefill(self, msg) -> None:
         if not msg.reply:

@@ -11,7 +11,7 @@ its inflight accounting moves; the client's stream goes on with gap-free ``seq``
 
 Operators (and tests) ask on ``ctl(<router>, "migrate")`` with a ``MigrateRequest`` (client request id, target
 or ""); the reply is an ``Ack`` naming the target, or the error. ``consider`` runs the policy
-(``shared/sched/migration_policy.py``: drain, KV pressure) on every decode heartbeat, at most every
+(``shared/sched/migration_policy.py``: drain, KV pressure, TPOT, skew) on every decode heartbeat, at most every
 ``CONSIDER_EVERY_S``, and carries out its moves in the background.
 
 Invariants: one migration at a time per stream; ``max_inflight`` per router (more: ``overloaded``); the target is
@@ -58,7 +58,7 @@ class Migrator:
         """The router's migrator, its policy from ``RouterConfig``."""
         policy = MigrationConfig(kv_high=config.migrate_kv_high, kv_low=config.migrate_kv_low,
                                  cooldown_s=config.migrate_cooldown_s, skew_min=config.migrate_skew_min,
-                                 skew_ratio=config.migrate_skew_ratio)
+                                 skew_ratio=config.migrate_skew_ratio, tpot_slo_s=config.migrate_tpot_slo_s)
         return cls(nc, relay, table, policy=policy, on_drain=config.migrate_on_drain, spawn=spawn)
 
     def consider(self, now: float | None = None) -> list[tuple[str, str, str]]:
@@ -69,7 +69,7 @@ class Migrator:
         self._considered = now
         cfg = self.policy or MigrationConfig(kv_high=2.0, skew_min=0)  # drain only
         workers = [DecodeLoad(w.report.worker_id, w.report.num_running + w.inflight, w.report.kv_usage,
-                              w.report.draining and self.on_drain)
+                              w.report.draining and self.on_drain, w.report.step_ms / 1000.0)
                    for w in self.table.workers.values()
                    if w.report.role == "decode" and self.table.is_alive(w.report.worker_id)]
         streams = [MovableStream(rid, s.attempt.decode_w.report.worker_id, s.prompt_len + len(s.delivered),

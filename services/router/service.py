@@ -36,6 +36,8 @@ from services.router.http_api import HttpApi
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placer
 from services.router.migration import Migrator
+from services.router.planner import RouterPlanner
+from services.router.stats import router_stats
 from services.router.relay import Relay, Stream
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, TenantLimit
@@ -65,6 +67,7 @@ class RouterService(Service):
         self.runtime: ServiceRuntime | None = None
         self.relay: Relay | None = None
         self.migrator: Migrator | None = None
+        self.planner: RouterPlanner | None = None  # the online P:D planner (``planner`` on)
         self.relays: dict[str, asyncio.Task] = {}  # client request id -> the task serving it
         self.owners: dict[str, tuple[str, str | None]] = {}  # client request id -> (its API, its tenant or None)
         self.http: HttpApi | None = None
@@ -100,6 +103,10 @@ class RouterService(Service):
         self.runtime.start_heartbeat(lambda: {"num_running": len(self.relays), "num_waiting": 0, "kv_usage": 0.0,
                                               "num_free_blocks": 0, "num_total_blocks": 0})
         self.runtime.spawn(self._sweep_loop())
+        self.planner = RouterPlanner.for_router(self.nc, self.table, c, self.placer.cost, self.metrics.registry,
+                                                self.runtime.spawn)
+        if self.planner is not None:
+            self.runtime.spawn(self.planner.run())
         if c.http_port >= 0:
             self.http = HttpApi(self)
             await self.http.start(c.http_host, c.http_port)
@@ -264,13 +271,7 @@ class RouterService(Service):
         """Reply with the accounting ledger (per tenant and class) and the router's counters."""
         if not msg.reply:
             return
-        stats = {"accounting": self.ledger.as_dict(), "in_flight": len(self.relays), "policy": self.config.policy,
-                 "workers": {wid: {"role": s.report.role, "alive": self.table.is_alive(wid),
-                                   "draining": s.report.draining, "model_fingerprint": s.report.model_fingerprint}
-                             for wid, s in self.table.workers.items()},
-                 "serving_fingerprint": self.placer.model.fingerprint, "errors": dict(self.runtime.error_counts),
-                 "migrations": {"done": self.migrator.done, "failed": self.migrator.failed,
-                                "started_by_policy": dict(self.migrator.reasons)}}
+        stats = router_stats(self)
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
                                                               stats=stats)))
 

@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
 
 logger = logging.getLogger(__name__)
+
+STEP_EWMA = 0.2  # weight of the newest step in ``step_s`` (about the last 5-10 steps)
 
 
 class AsyncEngine:
@@ -37,6 +40,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.step_s = 0.0  # moving average of engine step time (while it has work; written on the engine thread)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @classmethod
@@ -92,7 +96,9 @@ class AsyncEngine:
                         break
                     self._execute(fn, fut)
             if eng.has_unfinished():
+                t0 = time.perf_counter()
                 outputs = eng.step()
+                self.step_s += STEP_EWMA * (time.perf_counter() - t0 - self.step_s)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         for rid in list(eng.requests):
@@ -177,4 +183,5 @@ class AsyncEngine:
         return {"num_running": len(eng.scheduler.running), "num_waiting": len(eng.scheduler.waiting),
                 "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "queued_prefill_tokens": queued, "model_fingerprint": eng.fingerprint,
-                "max_model_len": eng.max_model_len, "max_num_seqs": eng.config.max_num_seqs}
+                "max_model_len": eng.max_model_len, "max_num_seqs": eng.config.max_num_seqs,
+                "step_ms": self.step_s * 1000.0 if eng.has_unfinished() else 0.0}

@@ -150,7 +150,12 @@ class WorkerCollector(Collector):
         yield counter(f"{P}_preemptions", "Sequences preempted (recomputed later)", lb, eng.num_preemptions)
         rt = getattr(w, "runtime", None)
         if rt is not None:
-            yield gauge(f"{P}_draining", "1 while the worker drains (SIGTERM)", lb, int(rt.draining))
+            yield gauge(f"{P}_draining", "1 while the worker drains (SIGTERM, or a role switch)", lb,
+                        int(rt.draining))
+            yield gauge_by(f"{P}_serving_role", "1 for the role the worker serves now (a switchable worker's "
+                           "changes)", lb, "serving", [(rt.info.role, 1)])
+            yield counter(f"{P}_role_switches", "Role switches made (switchable workers)", lb,
+                          getattr(w, "role_switches", 0))
             yield error_counts(P, lb, rt.error_counts)
         if getattr(w, "tier", None) is not None:
             yield from tier_client_metrics(lb, w.tier)

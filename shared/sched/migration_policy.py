@@ -7,7 +7,10 @@ Rules, in order:
 2. **KV pressure**: a decode worker whose KV pool is at least ``kv_high`` full is about to preempt by
    recompute; one stream per evaluation moves to a worker below ``kv_low``: the one with the most tokens left
    per token of context (the benefit, decode steps freed, over the cost, bytes moved).
-3. **Skew**: a decode worker running at least ``skew_min`` more streams than the least loaded one and
+3. **TPOT**: a decode worker whose step time (its streams' time per output token) exceeds ``tpot_slo_s`` moves
+   one stream per evaluation, chosen as in 2, to a worker whose step time is under ``tpot_headroom`` of the SLO
+   (``tpot_slo_s`` 0: rule off).
+4. **Skew**: a decode worker running at least ``skew_min`` more streams than the least loaded one and
    ``skew_ratio`` times as many (a worker that joined late, placements that ended unevenly) moves one stream
    per evaluation to it, chosen as in 2.
 
@@ -29,7 +32,9 @@ class MigrationConfig:
     per_source: int = 2
     min_tokens_left: int = 16
     skew_min: int = 4       # rule 3 needs this many more running streams than the least loaded worker ...
-    skew_ratio: float = 2.0  # ... and this many times as many (skew_min <= 0: rule 3 off)
+    skew_ratio: float = 2.0  # ... and this many times as many (skew_min <= 0: rule 4 off)
+    tpot_slo_s: float = 0.0  # rule 3: a worker stepping slower than this sheds streams (0 = off) ...
+    tpot_headroom: float = 0.7  # ... to one stepping faster than this fraction of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class DecodeLoad:
     running: int
     kv_usage: float
     draining: bool = False
+    step_s: float = 0.0  # recent step time: seconds per output token of its streams (0 = idle / unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +61,14 @@ class MovableStream:
 def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], streams: list[MovableStream],
                  in_flight: dict[str, int]) -> list[tuple[str, str, str]]:
     """``(request id, target worker, reason)`` for each stream to move now (``reason``: ``drain``,
-    ``kv_pressure`` or ``skew``); ``in_flight``: moves under way per source worker."""
+    ``kv_pressure``, ``tpot`` or ``skew``); ``in_flight``: moves under way per source worker."""
     loads = {w.worker_id: [w.running, w.kv_usage] for w in workers if not w.draining}
+    steps = {w.worker_id: w.step_s for w in workers}
     busy = dict(in_flight)
     moves: list[tuple[str, str, str]] = []
 
-    def target(source: str, kv_cap: float) -> str | None:
-        fits = [wid for wid, (_, kv) in loads.items() if wid != source and kv < kv_cap]
+    def target(source: str, kv_cap: float, step_cap: float) -> str | None:
+        fits = [wid for wid, (_, kv) in loads.items() if wid != source and kv < kv_cap and steps[wid] < step_cap]
         if not fits:
             return None
         best = min(fits, key=lambda wid: (loads[wid][0], loads[wid][1], wid))
@@ -77,18 +84,18 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
     for s in streams:                                           # 1. drain
         w = by_worker.get(s.source)
         if w is not None and w.draining and movable(s, drain=True):
-            dest = target(s.source, kv_cap=1.0)
+            dest = target(s.source, kv_cap=1.0, step_cap=float("inf"))
             if dest is not None:
                 moves.append((s.request_id, dest, "drain"))
                 busy[s.source] = busy.get(s.source, 0) + 1
     chosen = {m[0] for m in moves}
 
-    def relieve(source: str, kv_cap: float, reason: str) -> None:
+    def relieve(source: str, kv_cap: float, reason: str, step_cap: float = float("inf")) -> None:
         mine = [s for s in streams if s.source == source and s.request_id not in chosen and movable(s, False)]
         if not mine:
             return
         pick = max(mine, key=lambda s: (s.tokens_left / max(1, s.context_tokens), s.request_id))
-        dest = target(source, kv_cap)
+        dest = target(source, kv_cap, step_cap)
         if dest is not None:
             moves.append((pick.request_id, dest, reason))
             chosen.add(pick.request_id)
@@ -98,7 +105,11 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
     for w in workers:                                           # 2. KV pressure, one stream per source
         if not w.draining and w.kv_usage >= cfg.kv_high:
             relieve(w.worker_id, cfg.kv_low, "kv_pressure")
-    if cfg.skew_min > 0 and len(loads) >= 2:                    # 3. skew, one stream per source
+    if cfg.tpot_slo_s > 0:                                      # 3. TPOT, one stream per source
+        for w in workers:
+            if not w.draining and w.step_s > cfg.tpot_slo_s:
+                relieve(w.worker_id, cfg.kv_low, "tpot", step_cap=cfg.tpot_headroom * cfg.tpot_slo_s)
+    if cfg.skew_min > 0 and len(loads) >= 2:                    # 4. skew, one stream per source
         for w in sorted(workers, key=lambda w: -w.running):
             if w.draining or w.worker_id not in loads:
                 continue

@@ -8,6 +8,7 @@ from services.cache_tier.service import CacheTierService
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from services.router.service import RouterService
+from services.switchable.service import SwitchableWorker
 from shared.config import CacheTierConfig, RouterConfig, WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -33,7 +34,8 @@ def tier_config(url: str, directory, **kw) -> CacheTierConfig:
 
 
 class InProcessCluster:
-    """``tier_dir``: also run a cache tier (``TIER_ID``) on that directory and point every worker at it."""
+    """``tier_dir``: also run a cache tier (``TIER_ID``) on that directory and point every worker at it.
+    ``switchable``: the workers are ``SwitchableWorker``s ``worker-<n>`` (prefill ones first)."""
 
     def __init__(self, url: str, folder, prefill: int = 1, decode: int = 1, local_prefill_threshold: int = 0,
                  policy: str = "predictive", router_kw: dict | None = None, tier_dir=None, tier_kw=None,
@@ -45,6 +47,10 @@ class InProcessCluster:
         self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
                                                  local_prefill_threshold=local_prefill_threshold, policy=policy,
                                                  **{"http_port": -1, **(router_kw or {})}))
+        if worker_kw.get("switchable"):
+            self.workers = [SwitchableWorker(worker_config(role, url, folder, f"worker-{i}", **worker_kw))
+                            for i, role in enumerate(["prefill"] * prefill + ["decode"] * decode)]
+            return
         self.workers = [PrefillService(worker_config("prefill", url, folder, f"prefill-{i}", **worker_kw))
                         for i in range(prefill)]
         self.workers += [DecodeService(worker_config("decode", url, folder, f"decode-{i}", **worker_kw))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import nats_auth, protocol
+from shared import nats_auth, protocol, subjects
 from shared.client import generate
 from shared.errors import DeepinferError, ErrorCode
 from shared.launcher import Cluster, ClusterSpec
@@ -94,3 +94,54 @@ async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
         log = cluster.log_tail(name, 1 << 20)
         assert "NATS refused" not in log and "Authorization Violation" not in log, (name, log[-2000:])
         assert not any(pw in log for pw in cluster.passwords.values()), name
+
+
+async def test_switchable_workers_change_role_under_their_instance_users(folder):
+    """``--switchable`` workers log in as ``worker.<id>``: after the planner's order (sent here with the router's
+    credentials) each heartbeats, and is sent work, under its new role; nothing is refused."""
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, model=str(folder), kv_cache_mb=32, dtype="float64",
+                                  local_prefill_threshold=0, transports="stream", auth=True, metrics=False,
+                                  http_port=-1, cache_tier=0, switchable=True))
+    request = protocol.GenerateRequest(prompt_token_ids=list(range(3, 40)), max_tokens=6, temperature=0.0,
+                                       ignore_eos=True, prefill_mode="remote")
+    try:
+        await cluster.start()
+        assert set(cluster.procs) == {"router", "worker-0", "worker-1"}
+        for name in ("worker-0", "worker-1"):
+            environ = Path(f"/proc/{cluster.procs[name].pid}/environ").read_bytes().split(b"\0")
+            assert f"DEEPINFER_NATS_USER=worker.{name}".encode() in environ
+        nc = await cluster.connect_client()
+        try:
+            first = await generate_retrying(nc, request)
+        finally:
+            await nc.close()
+        router = await cluster.connect_as("router")
+        try:
+            for worker, role in (("worker-0", "decode"), ("worker-1", "prefill")):
+                reply = await router.request(subjects.ctl(worker, "role"),
+                                             protocol.encode(protocol.RoleSwitch(role=role)), timeout=60)
+                assert protocol.decode_reply(reply.data, protocol.Ack).detail == role
+        finally:
+            await router.close()
+        monitor = await cluster.connect_as(nats_auth.MONITOR)
+        try:
+            for _ in range(40):
+                services = (await collect(monitor, listen_s=1.2))["services"]
+                seen = {w: services.get(w, {}).get("load", {}).get("role") for w in ("worker-0", "worker-1")}
+                if seen == {"worker-0": "decode", "worker-1": "prefill"}:
+                    break
+            else:
+                pytest.fail(f"roles never changed: {seen}")
+        finally:
+            await monitor.close()
+        nc = await cluster.connect_client()
+        try:
+            assert await generate_retrying(nc, request) == first   # prefilled by worker-1, decoded by worker-0
+        finally:
+            await nc.close()
+    finally:
+        cluster.stop()
+    for name in cluster.procs:
+        log = cluster.log_tail(name, 1 << 20)
+        assert "NATS refused" not in log and "Authorization Violation" not in log, (name, log[-2000:])
+    assert "switching prefill -> decode" in cluster.log_tail("worker-0", 1 << 20)

@@ -47,6 +47,10 @@ SPOOFS = {  # user -> subjects it must not publish on
                         f"$KV.{subjects.REGISTRY_BUCKET}.decode-1", "_INBOX.decode.decode-1.x", subjects.GENERATE],
     "cache-tier.cache-0": [subjects.load("cache-1", "cache_tier"), f"$KV.{subjects.REGISTRY_BUCKET}.cache-1"],
     "router.router": [subjects.load("router-2", "router"), subjects.kv_events("r"), "_INBOX.router.router-2.x"],
+    # a switchable worker heartbeats as prefill or decode, under its own id only
+    "worker.worker-0": [subjects.load("worker-1", "prefill"), subjects.load("worker-1", "decode"),
+                        subjects.load("worker-0", "router"), subjects.kv_events("worker-1"), subjects.GENERATE,
+                        f"$KV.{subjects.REGISTRY_BUCKET}.worker-1", subjects.cache_put("cache-0", "worker-1")],
 }
 INSTANCES = [u for u in SPOOFS if "." in u]
 FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
@@ -61,10 +65,13 @@ FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     # an instance hears only what is addressed to it: not another decode worker's hand-offs (prompts), inbox
     # or control; a tier only its own puts
     "decode.decode-0": [subjects.decode("decode-1"), subjects.DECODE_ALL, "_INBOX.decode.decode-1.>",
+                        subjects.ctl("decode-0", "role"),  # only switchable workers take role orders
                         "_INBOX.decode.>", subjects.ctl("decode-1", "probe"), subjects.kv_pulls_of("prefill-0"),
                         subjects.kv_pull("decode-1", "t")],   # no answering a pull of another's transfer
     "cache-tier.cache-0": [subjects.cache_puts("cache-1"), subjects.cache_all("get"), subjects.KV_PULL_ALL],
     "router.router": [subjects.kv_pulls_of("decode-0")],
+    "worker.worker-0": [subjects.prefill("worker-1"), subjects.decode("worker-1"), subjects.ctl("worker-1", "role"),
+                        "_INBOX.worker.worker-1.>", subjects.kv_pull("worker-1", "t")],
 }
 
 
@@ -252,6 +259,15 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("decode", "decode.decode-0", subjects.decode("decode-0"), True),                     # the moved stream
     *((s, "router", subjects.kv_events(f"{s}-0"), False) for s in ("prefill", "decode", "cache-tier")),
     ("decode.decode-0", "router.router", subjects.kv_events("decode-0"), False),
+    # a switchable worker: the planner's order, work of either role, heartbeats and hand-offs of either role
+    ("router.router", "worker.worker-0", subjects.ctl("worker-0", "role"), True),
+    ("router.router", "worker.worker-0", subjects.prefill("worker-0"), True),
+    ("router.router", "worker.worker-0", subjects.decode("worker-0"), True),
+    ("worker.worker-0", "router.router", subjects.load("worker-0", "prefill"), False),
+    ("worker.worker-0", "router.router", subjects.load("worker-0", "decode"), False),
+    ("worker.worker-0", "decode.decode-0", subjects.decode("decode-0"), True),   # its hand-off as a prefill worker
+    ("decode.decode-0", "worker.worker-0", subjects.kv_pull("worker-0", "t9"), True),
+    ("worker.worker-0", "cache-tier.cache-0", subjects.cache_put("cache-0", "worker-0"), True),
 ]
 
 
@@ -300,7 +316,7 @@ async def test_services_heartbeat_and_register(env, no_violations):
             beats.add(protocol.decode(msg.data, protocol.LoadReport).worker_id)
         await admin.subscribe(subjects.LOAD_ALL, cb=on_load)
         for user, worker_id in [*((u, f"{u}-9") for u in SERVICES), *((u, u.split(".")[1]) for u in INSTANCES)]:
-            role = user.split(".")[0].replace("-", "_")
+            role = user.split(".")[0].replace("-", "_").replace(nats_auth.SWITCHABLE, "decode")
             info = protocol.WorkerInfo(worker_id=worker_id, role=role, model_id="", host="h",
                                        pid=1, transports=[], block_size=0, started_at=0.0)
             rt = ServiceRuntime(await env.bus(user), info, heartbeat_s=0.2)

@@ -11,6 +11,7 @@ compose/k8s and the GPU one compose/k8s/gpu), the Secret holding what ``python -
   authorization block), and nats-server accepts the config its init container renders;
 - prefill, decode and draft scale on their own (Deployments, no fixed worker id), the cache tier keeps its
   id and its SSD files on a PVC; the GPU variant gives each engine pod a GPU and the CUDA image.
+- the router's ServiceAccount may only get/patch the scale of the prefill and decode Deployments.
 The negative tests break a copy of the built objects and assert that the checks reject it.
 """
 from __future__ import annotations
@@ -117,6 +118,26 @@ def test_router_is_ready_on_health_behind_its_service(base):
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     service = m.find(base, "Service", "router")["spec"]["ports"]
     assert [m.port_of(router, p["targetPort"]) for p in service] == [config(base, "Deployment", "router").http_port]
+
+
+def test_router_may_scale_prefill_and_decode_only(objects):
+    """The planner's KubernetesScaler (services/router/scaler.py): the router's pods run as ServiceAccount
+    router, whose only grant is get/patch on the scale subresource of the prefill and decode Deployments."""
+    pod = m.find(objects, "Deployment", "router")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "router" and pod["automountServiceAccountToken"] is True
+    assert m.find(objects, "ServiceAccount", "router")["automountServiceAccountToken"] is False  # others: no token
+    role = m.find(objects, "Role", "router-scaler")
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": ["prefill", "decode"], "verbs": ["get", "patch"]}]
+    binding = m.find(objects, "RoleBinding", "router-scaler")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "router-scaler"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "router", "namespace": "deepinfer"}]
+    assert {role["metadata"]["namespace"], binding["metadata"]["namespace"]} == {"deepinfer"}
+    assert [o["metadata"]["name"] for o in objects if o["kind"] in ("Role", "RoleBinding", "ClusterRole",
+                                                                   "ClusterRoleBinding")] == ["router-scaler"] * 2
+    for name in ("prefill", "decode"):
+        assert m.find(objects, "Deployment", name)["metadata"]["namespace"] == "deepinfer"
+        assert "serviceAccountName" not in m.find(objects, "Deployment", name)["spec"]["template"]["spec"]
 
 
 def test_threads_follow_the_cpu_limit(base):

@@ -109,9 +109,10 @@ async def test_worker_collector_reads_engine_tier_and_speculation_counters(model
     spec = engine.speculator.counters
     spec.steps, spec.proposals, spec.drafted, spec.accepted = spec.steps + 2, spec.proposals + 3, \
         spec.drafted + 7, spec.accepted + 5
-    runtime = SimpleNamespace(draining=True, error_counts={"timeout": 2, "internal": 1})
+    runtime = SimpleNamespace(draining=True, error_counts={"timeout": 2, "internal": 1},
+                              info=SimpleNamespace(role="prefill"))
     worker = SimpleNamespace(aengine=AsyncEngine(engine), engine=engine, runtime=runtime, tier=tier,
-                             active={"x": None})
+                             active={"x": None}, role_switches=3)
     m = WorkerMetrics("d0", "decode")
     m.watch(worker)
     s = scrape(m.registry)
@@ -127,6 +128,8 @@ async def test_worker_collector_reads_engine_tier_and_speculation_counters(model
     assert value(s, "deepinfer_worker_prefix_cache_hit_tokens_total") == bm.num_hit_tokens > 0
     assert value(s, "deepinfer_worker_prefix_cache_blocks") == len(bm.cached) > 0
     assert value(s, "deepinfer_worker_draining") == 1
+    assert value(s, "deepinfer_worker_serving_role", serving="prefill") == 1  # a switched worker's current role
+    assert value(s, "deepinfer_worker_role_switches_total") == 3
     assert value(s, "deepinfer_worker_handler_errors_total", code="timeout") == 2
     assert value(s, "deepinfer_worker_handler_errors_total", code="internal") == 1
     assert value(s, "deepinfer_worker_tier_up") == 0

@@ -48,3 +48,17 @@ def test_a_skewed_pair_evens_out_one_stream_per_evaluation():
     near = [DecodeLoad("old", 5, 0.5), DecodeLoad("new", 3, 0.5)]
     assert choose_moves(SKEW, 0.0, near, streams, {}) == []       # 2 apart: not skewed
     assert choose_moves(CFG, 0.0, workers, streams, {}) == []     # rule off
+
+
+def test_a_worker_over_the_tpot_slo_sheds_one_stream_to_one_with_headroom():
+    cfg = MigrationConfig(skew_min=0, kv_high=2.0, tpot_slo_s=0.1, tpot_headroom=0.7)
+    workers = [DecodeLoad("d0", 6, 0.3, step_s=0.15), DecodeLoad("d1", 2, 0.2, step_s=0.08),
+               DecodeLoad("d2", 3, 0.2, step_s=0.05)]
+    streams = [stream("a", "d0", left=50), stream("b", "d0", context=10, left=500)]
+    assert choose_moves(cfg, 0.0, workers, streams, {}) == [("b", "d2", "tpot")]  # d1 has no headroom
+    slow_everywhere = [workers[0], DecodeLoad("d1", 2, 0.2, step_s=0.09)]
+    assert choose_moves(cfg, 0.0, slow_everywhere, streams, {}) == []
+    within = [DecodeLoad("d0", 6, 0.3, step_s=0.1), workers[2]]
+    assert choose_moves(cfg, 0.0, within, streams, {}) == []           # at the SLO, not over it
+    off = MigrationConfig(skew_min=0, kv_high=2.0)
+    assert choose_moves(off, 0.0, workers, streams, {}) == []

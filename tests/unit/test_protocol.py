@@ -37,6 +37,7 @@ SAMPLES = {
                                                reply_to="_INBOX.x"),
     "RequestProbe": p.RequestProbe(request_id="r1~0"),
     "MigrateRequest": p.MigrateRequest(request_id="r1~0", target="decode-1", transport="stream"),
+    "RoleSwitch": p.RoleSwitch(role="prefill"),
     "KVPrecopy": p.KVPrecopy(request_id="r1~0", token_ids=list(range(40)), cache_salt="", num_blocks=2,
                              block_shape=[2, 2, 16, 4, 8], dtype="float32", transport="shm",
                              handle={"segment": "x"}, model_fingerprint="0" * 32),
@@ -111,6 +112,15 @@ def test_a_migration_hand_off_is_bounded():
     for bad in ({"request_id": ""}, {"target": "a.b"}, {"target": "x" * 200}):
         with pytest.raises(DeepinferError):
             p.decode(body(SAMPLES["MigrateRequest"], **bad))
+
+
+def test_a_role_switch_names_a_worker_role():
+    for bad in ("router", "", "both"):
+        with pytest.raises(DeepinferError) as info:
+            p.decode(body(SAMPLES["RoleSwitch"], role=bad))
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+    with pytest.raises(DeepinferError):
+        p.decode(body(SAMPLES["LoadReport"], step_ms=-1.0))
 
 
 def test_int_accepted_for_float_and_stored_as_float():

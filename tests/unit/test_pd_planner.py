@@ -1,0 +1,109 @@
+"""The online P:D planner (shared/sched/pd_planner.py): what it switches or scales, and the bounds on flapping."""
+import pytest
+
+from shared.sched.pd_planner import Planner, PlannerConfig, PoolWorker, pressures
+from shared.sched.types import CostModel
+
+COST = CostModel(prefill_b=1e-3)  # 1,000 prompt tokens per second per prefill worker
+CFG = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=3, cooldown_s=10.0, dwell_s=60.0)
+
+
+def prefill(wid, queued=0, switchable=True, draining=False):
+    return PoolWorker(wid, "prefill", switchable, queued_prefill_tokens=queued, max_num_seqs=8, draining=draining)
+
+
+def decode(wid, running=0, step_s=0.01, kv=0.1, switchable=True):
+    return PoolWorker(wid, "decode", switchable, num_running=running, kv_usage=kv, step_s=step_s, max_num_seqs=8)
+
+
+PREFILL_SHORT = [prefill("p0", queued=2000), decode("d0", 1), decode("d1", 0), decode("d2", 1)]
+DECODE_SHORT = [prefill("p0"), prefill("p1"), prefill("p2"), decode("d0", 8, step_s=0.12)]
+
+
+def test_pressures_are_the_ttft_and_tpot_against_their_slos():
+    p, d = pressures(CFG, COST, PREFILL_SHORT)
+    assert p == pytest.approx(2.0)               # 2,000 queued tokens on one worker: 2 s for a 1 s SLO
+    assert d == pytest.approx((1 / 8 + 0.1 + 1 / 8) / 3)  # per worker: max(step/SLO, KV, occupancy)
+    assert pressures(CFG, COST, DECODE_SHORT)[1] == pytest.approx(1.2)   # 0.12 s steps for a 0.1 s SLO
+    draining = [prefill("p0", queued=2000, draining=True), prefill("p1")]
+    assert pressures(CFG, COST, draining)[0] == pytest.approx(2.0)       # its queue counts, its capacity not
+
+
+def test_a_short_role_takes_the_least_loaded_switchable_worker_after_a_sustained_streak():
+    planner = Planner(CFG, COST)
+    assert planner.decide(0.0, PREFILL_SHORT) == [] and planner.decide(1.0, PREFILL_SHORT) == []
+    (action,) = planner.decide(2.0, PREFILL_SHORT)    # the third evaluation in a row
+    assert (action.kind, action.worker_id, action.role, action.reason) == ("switch", "d1", "prefill",
+                                                                           "prefill_pressure")
+    assert action.prefill_pressure == pytest.approx(2.0)
+    planner = Planner(CFG, COST)
+    actions = [planner.decide(float(t), DECODE_SHORT) for t in range(3)]
+    assert [a.worker_id for a in actions[2]] == ["p0"] and actions[2][0].role == "decode"
+
+
+def test_nothing_moves_inside_the_band_or_when_the_donor_would_be_short():
+    planner = Planner(CFG, COST)
+    calm = [prefill("p0", queued=600), decode("d0", 2), decode("d1", 2)]  # 0.6: between low and high
+    assert all(planner.decide(float(t), calm) == [] for t in range(10))
+    busy_donor = [prefill("p0", queued=2000), decode("d0", 4), decode("d1", 4)]  # decode 0.5 -> 1.0 after giving
+    assert all(planner.decide(float(t), busy_donor) == [] for t in range(10))
+    last_decode = [prefill("p0", queued=2000), decode("d0", 0)]  # min_decode 1
+    assert all(planner.decide(float(t), last_decode) == [] for t in range(10))
+    fixed = [prefill("p0", queued=2000), decode("d0", 0, switchable=False), decode("d1", 0, switchable=False)]
+    assert all(planner.decide(float(t), fixed) == [] for t in range(10))  # no scaling configured either
+
+
+def test_an_interrupted_streak_starts_over():
+    planner = Planner(CFG, COST)
+    calm = [prefill("p0"), decode("d0"), decode("d1")]
+    for t, load in enumerate([PREFILL_SHORT, PREFILL_SHORT, calm, PREFILL_SHORT, PREFILL_SHORT]):
+        assert planner.decide(float(t), load) == []
+    assert planner.decide(5.0, PREFILL_SHORT) != []
+
+
+def test_flapping_is_bounded_by_cooldown_and_dwell():
+    """The load flips every 3 s for 10 minutes: decisions at most one per cooldown, a worker never switches
+    back within its dwell time, and every decision needed a full streak."""
+    cfg = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=2, cooldown_s=20.0, dwell_s=45.0)
+    planner = Planner(cfg, COST)
+    roles = {"w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"}
+    decisions = []
+    for t in range(600):
+        prefill_heavy = (t // 3) % 2 == 0
+        pool = [PoolWorker(w, r, True, queued_prefill_tokens=3000 if (r == "prefill" and prefill_heavy) else 0,
+                           num_running=0 if prefill_heavy else 8, step_s=0.01 if prefill_heavy else 0.2,
+                           max_num_seqs=8) for w, r in roles.items()]
+        for a in planner.decide(float(t), pool):
+            decisions.append(a)
+            roles[a.worker_id] = a.role
+    assert decisions, "the planner never acted"
+    gaps = [b.at - a.at for a, b in zip(decisions, decisions[1:])]
+    assert all(g >= cfg.cooldown_s for g in gaps) and len(decisions) <= 600 / cfg.cooldown_s + 1
+    last: dict[str, float] = {}
+    for a in decisions:
+        assert a.at - last.get(a.worker_id, -1e9) >= cfg.dwell_s
+        last[a.worker_id] = a.at
+    assert min(list(roles.values()).count(r) for r in ("prefill", "decode")) >= 1
+
+
+def test_scaling_where_no_worker_can_switch_and_shrinking_an_idle_role():
+    cfg = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=1, cooldown_s=0.0, max_prefill=2, max_decode=3)
+    planner = Planner(cfg, COST)
+    fixed = [prefill("p0", queued=2000, switchable=False), decode("d0", 4, switchable=False)]
+    (up,) = planner.decide(0.0, fixed)
+    assert (up.kind, up.role, up.delta) == ("scale", "prefill", 1)
+    at_max = [*fixed, prefill("p1", queued=2000, switchable=False)]
+    assert planner.decide(1.0, at_max) == []                      # max_prefill reached
+    idle = [prefill("p0", switchable=False), decode("d0", switchable=False, step_s=0.0, kv=0.0),
+            decode("d1", switchable=False, step_s=0.0, kv=0.0)]
+    (down,) = planner.decide(2.0, idle)
+    assert (down.kind, down.role, down.delta, down.reason) == ("scale", "decode", -1, "decode_idle")
+    stats = planner.stats()
+    assert stats["decisions"] == {"scale:decode:decode_idle": 1, "scale:prefill:prefill_pressure": 1}
+    assert [a["kind"] for a in stats["recent"]] == ["scale", "scale"]
+
+
+def test_a_bad_config_is_refused():
+    for bad in ({"low": 0.9, "high": 0.8}, {"sustain": 0}, {"ttft_slo_s": 0}, {"max_decode": -1}):
+        with pytest.raises(ValueError):
+            PlannerConfig(**bad)

@@ -340,6 +340,8 @@ class RouterService(Service):
         await self.runtime.finish_inflight(grace_left, self._end_streams)
         if self.http is not None:
             await self.http.stop()
+        if self.planner is not None and self.planner.scaler is not None:
+            await self.planner.scaler.close()
         await self.runtime.close()
 
     async def _end_streams(self) -> None:

@@ -147,3 +147,27 @@ def test_up_and_node_reserve_the_tier_dram_and_size_the_kv_pool_like_the_engine(
     assert cli_node.node_spec(node_args()).cache_tier_reserve_dram
     assert not load_config(CacheTierConfig, []).reserve_dram
     assert load_config(CacheTierConfig, ["--reserve-dram", str(True)]).reserve_dram   # as the launcher passes it
+
+
+def test_up_switchable_and_planner_flags_reach_the_workers_and_the_router(tmp_path):
+    """``up --switchable --planner``: workers run ``services.switchable`` as ``worker-<n>`` with their starting
+    role, the router gets ``--planner true``; switchable workers with auth need the embedded server."""
+    from services import cli_up
+    from services.cli import build_parser
+    from shared.cluster_spec import ClusterSpec
+    from shared.launcher import Cluster
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--switchable",
+                                                            "--planner", "--cache-tier-dir", str(tmp_path)]), print)
+    assert spec.switchable and spec.planner
+    cluster = Cluster(spec)
+    assert [cluster.worker_id("prefill", 0), cluster.worker_id("decode", 0), cluster.worker_id("decode", 1)] == \
+        ["worker-0", "worker-1", "worker-2"]
+    args = cluster.router_args()
+    assert args[args.index("--planner") + 1] == "true"
+    assert load_config(RouterConfig, ["--planner", "true"]).planner
+    assert load_config(WorkerConfig, ["--switchable", "true"]).switchable
+    with pytest.raises(ValueError, match="switchable"):
+        ClusterSpec(switchable=True, auth=True, nats_url="nats://x:4222", passwords={"router": "p"}, cache_tier=0)
+    with pytest.raises(ValueError):
+        RouterConfig(planner_scaler="helm")

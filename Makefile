@@ -40,6 +40,8 @@ bench: venv
 	$(PY) -m benchmarks.spec_decode
 	$(PY) -m benchmarks.http_vs_nats
 	$(PY) -m benchmarks.migration_pause
+	$(PY) -m benchmarks.migration_skew
+	$(PY) -m benchmarks.planner_shift
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,9 @@
-"""`deepinfer simulate`: replay a Mooncake-format trace through the placement policies in the simulator."""
+"""`deepinfer simulate`: replay a Mooncake-format trace (or a synthetic workload) through the placement policies in
+the simulator, optionally on an elastic disaggregated cluster (live migration, the online P:D planner)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -16,6 +18,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("simulate", help="simulate a cluster on a request trace (no hardware needed)")
     p.add_argument("--trace", default=None, help=DEFAULT_TRACE_HELP)
+    p.add_argument("--workload", default="trace", choices=("trace", "shifting"),
+                   help="trace: replay --trace; shifting: the synthetic chat -> agent -> chat mix "
+                   "(shared/sched/workloads.py; --speed scales its rates, --seed seeds it)")
     p.add_argument("--workers", type=int, default=8, help="aggregated workers (when --prefill is 0)")
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; 0 = aggregated)")
     p.add_argument("--decode", type=int, default=None, help="decode workers when --prefill > 0 (default --workers)")
@@ -51,6 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="per million cached input tokens (accounting.Prices; the JSON's accounting ledger)")
     p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
     p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
+    elastic = p.add_argument_group("elastic cluster", "disaggregated only (--prefill > 0): the router's own "
+                                   "live-migration policy and P:D planner, run every --tick simulated seconds")
+    elastic.add_argument("--migrate", action="store_true", help="live-migrate decode streams (drain, KV, skew)")
+    elastic.add_argument("--planner", action="store_true",
+                         help="the online P:D planner switches workers between prefill and decode")
+    elastic.add_argument("--tick", type=float, default=1.0, help="seconds between evaluations (default 1)")
+    elastic.add_argument("--startup", type=float, default=30.0,
+                         help="seconds a worker the planner adds takes to start (default 30)")
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
     p.add_argument("--plot", default=None,
                    help="write the TTFT CDF of every policy to this PNG (matplotlib: the plot extra)")
@@ -66,14 +79,42 @@ def tier_blocks(args: argparse.Namespace, distinct: int) -> tuple[int, int]:
     return (args.tier_dram_blocks if args.tier_dram_blocks is not None else math.ceil(ssd / 8)), ssd
 
 
+def load_workload(args: argparse.Namespace) -> list:
+    """The requests to replay: the trace file (``--limit``, ``--offset``, ``--speed``) or the shifting workload
+    (``--speed`` compresses its clock, ``--limit`` keeps its first requests)."""
+    from shared.sched.trace import load_trace
+    from shared.sched.workloads import shifting_workload
+
+    if args.workload == "trace":
+        return load_trace(resolve_trace(args.trace), limit=args.limit, speed=args.speed, offset=args.offset)
+    trace = [dataclasses.replace(r, arrival_s=r.arrival_s / args.speed)
+             for r in shifting_workload(seed=args.seed, block_size=args.block_size)]
+    return trace[:args.limit] if args.limit is not None else trace
+
+
+def elastic_summary(res: dict) -> str:
+    """One line on what migration and the planner did in a run."""
+    parts = [f"{res['policy']}:"]
+    if "migrations" in res:
+        m = res["migrations"]
+        parts.append(f"migrations {m['moves']} {m['by_reason']} pause {m['pause_s_total']:.2f} s;")
+    if "planner" in res:
+        pl = res["planner"]
+        moves = ", ".join(f"{d['t_s']:.0f}s {d['kind']} {d['worker']}->{d['role']}" if d["kind"] == "switch"
+                          else f"{d['t_s']:.0f}s {d['role']} {d['delta']:+d}" for d in pl["decisions"])
+        parts.append(f"planner {len(pl['decisions'])} decisions [{moves}], "
+                     f"final P:D {pl['final_prefill']}:{pl['final_decode']}")
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     """Run the subcommand; all terminal output goes through ``emit`` (print-like; the CLI passes print)."""
     from shared.accounting import Prices
     from shared.errors import DeepinferError
     from shared.kv.store.retention import RetentionPolicy
     from shared.sched.policies import POLICIES
-    from shared.sched.simulator import (distinct_blocks, format_table, json_line, load_trace, plot_ttft_cdf,
-                                        simulate)
+    from shared.sched.simulator import (MigrationConfig, PlannerConfig, distinct_blocks, format_table, json_line,
+                                        plot_ttft_cdf, simulate)
 
     names = list(POLICIES) if args.policy == "all" else [n.strip() for n in args.policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
@@ -82,7 +123,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
               file=sys.stderr)
         return 2
     try:
-        trace = load_trace(resolve_trace(args.trace), limit=args.limit, speed=args.speed, offset=args.offset)
+        trace = load_workload(args)
     except OSError as err:
         emit(f"deepinfer simulate: cannot read trace: {err}", file=sys.stderr)
         return 2
@@ -90,6 +131,10 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         emit("deepinfer simulate: empty trace", file=sys.stderr)
         return 2
     prefill = max(0, args.prefill)
+    if (args.migrate or args.planner) and not prefill:
+        emit("deepinfer simulate: --migrate and --planner need a disaggregated cluster (--prefill > 0)",
+             file=sys.stderr)
+        return 2
     workers = (args.decode if args.decode is not None else args.workers) if prefill else args.workers
     cap = args.kv_capacity_blocks
     if cap is None:
@@ -100,6 +145,8 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         prices = Prices(args.price_cached, args.price_uncached, args.price_output)
         if min(dram, ssd) < 0:
             raise ValueError(f"tier capacities must be >= 0 blocks, got dram={dram} ssd={ssd}")
+        if args.tick <= 0 or args.startup < 0:
+            raise ValueError(f"--tick must be > 0 and --startup >= 0, got {args.tick} and {args.startup}")
         (retention_policy or RetentionPolicy()).ttl(args.retention)
     except (DeepinferError, ValueError) as err:
         emit(f"deepinfer simulate: {err}", file=sys.stderr)
@@ -107,7 +154,10 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     common = dict(num_workers=workers, kv_capacity_blocks=cap, ttft_slo_s=args.ttft_slo or None,
                   tpot_slo_s=args.tpot_slo or None, seed=args.seed, speed=args.speed, prefill_workers=prefill,
                   block_size=args.block_size, prices=prices, retention=args.retention,
-                  retention_policy=retention_policy)
+                  retention_policy=retention_policy, tick_s=args.tick, startup_s=args.startup,
+                  migration=MigrationConfig() if args.migrate else None,
+                  planner=PlannerConfig(ttft_slo_s=args.ttft_slo or 2.0, tpot_slo_s=args.tpot_slo or 0.1)
+                  if args.planner else None)
     results = []
     for name in names:
         t0 = time.perf_counter()
@@ -119,6 +169,9 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         emit(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     if not args.json:
         emit(format_table(results))
+        for res in results:
+            if "migrations" in res or "planner" in res:
+                emit(elastic_summary(res))
     if args.plot:
         try:
             plot_ttft_cdf(results, args.plot)

@@ -1,8 +1,10 @@
 """State of one simulated request and one simulated worker (KV blocks with LRU eviction of unreferenced
-blocks, prefill queue, decode batch). Used only by ``shared/sched/simulator.py``.
+blocks, prefill queue, decode batch). Used only by the simulator (``sim_engine.py``, ``sim_elastic.py``).
 
-Invariant: a block is either pinned (referenced by a running request, with a refcount) or in the LRU
-(cached, evictable), never both; ``len(lru) + len(pinned) + private <= cap`` after ``evict()``.
+Invariants: a block is either pinned (referenced by a running request, with a refcount) or in the LRU
+(cached, evictable), never both; ``len(lru) + len(pinned) + private <= cap`` after ``evict()`` unless private
+reservations alone exceed it (a hand-off is never refused). A worker takes new placements only while neither
+``draining`` nor ``removed``; ``incoming`` counts requests placed to decode there that have not arrived yet.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from shared.sched.trace import TraceRequest
 
 class _Req:
     __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_s", "tier_tokens", "uncached", "done",
-                 "first_s", "generated", "pinned", "private", "total_blocks")
+                 "first_s", "generated", "pinned", "private", "total_blocks", "move_to", "moved_at")
 
     def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
         self.tr, self.decode_w, self.est = tr, decode_w, est
@@ -23,10 +25,12 @@ class _Req:
         self.first_s: float | None = None
         self.pinned: tuple[int, ...] = ()
         self.private = self.total_blocks = 0
+        self.move_to: tuple[int, str] | None = None  # (target worker idx, reason) of a live migration under way
+        self.moved_at: float | None = None  # when it last arrived by live migration
 
 
 class _Worker:
-    def __init__(self, idx: int, role: str, cap: int) -> None:
+    def __init__(self, idx: int, role: str, cap: int, born_s: float = 0.0) -> None:
         self.idx, self.role, self.cap = idx, role, cap
         self.wid = f"w{idx:03d}"
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced (evictable), oldest first
@@ -38,6 +42,20 @@ class _Worker:
         self.running: list[_Req] = []
         self.kv_tokens = 0
         self.busy = False
+        # elastic cluster (sim_elastic.py): drain, role switch, removal, live migration
+        self.draining = self.removed = False
+        self.incoming = 0  # placed here to decode, prefill or hand-off still under way
+        self.moves_out: list[_Req] = []  # streams ordered to migrate away, detached when the current step ends
+        self.born_s, self.ended_s = born_s, None  # alive (and paid for) from born_s until ended_s
+        self.after_drain: dict | None = None  # the planner decision carried out once the drain completes
+
+    @property
+    def used(self) -> int:
+        """Blocks not free for a new request (pinned or reserved; LRU blocks can be evicted)."""
+        return len(self.pinned) + self.private
+
+    def holds_nothing(self) -> bool:
+        return not (self.running or self.queue or self.incoming or self.moves_out or self.busy)
 
     def prefix(self, hashes: tuple[int, ...]) -> int:
         n = 0

@@ -68,7 +68,9 @@ class Migrator:
             return []
         self._considered = now
         cfg = self.policy or MigrationConfig(kv_high=2.0, skew_min=0)  # drain only
-        workers = [DecodeLoad(w.report.worker_id, w.report.num_running + w.inflight, w.report.kv_usage,
+        # placed requests (``inflight``) include the running ones the heartbeat counts: the larger of the two
+        workers = [DecodeLoad(w.report.worker_id, max(w.report.num_running + w.report.num_waiting, w.inflight),
+                              w.report.kv_usage,
                               w.report.draining and self.on_drain, w.report.step_ms / 1000.0)
                    for w in self.table.workers.values()
                    if w.report.role == "decode" and self.table.is_alive(w.report.worker_id)]

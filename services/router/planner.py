@@ -71,10 +71,11 @@ class RouterPlanner:
         for s in self.table.workers.values():
             r = s.report
             if r.role in ("prefill", "decode") and self.table.is_alive(r.worker_id, now):
+                # ``inflight`` (placed here, not ended) includes what the heartbeat reports running or waiting
                 out.append(PoolWorker(r.worker_id, r.role, r.switchable,
                                       r.queued_prefill_tokens + s.inflight_tokens, r.num_running,
-                                      r.num_waiting + s.inflight, r.kv_usage, r.step_ms / 1000.0,
-                                      r.max_num_seqs, r.draining))
+                                      max(r.num_waiting, s.inflight - r.num_running), r.kv_usage,
+                                      r.step_ms / 1000.0, r.max_num_seqs, r.draining))
         return out
 
     def leads(self, now: float) -> bool:

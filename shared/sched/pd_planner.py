@@ -7,16 +7,21 @@ Pressure of a role (1.0 = at its SLO or full):
 - **prefill**: the TTFT a new prompt would wait for, queued prompt tokens spread over the prefill workers
   (``cost.prefill_s(queued / n)``), over ``ttft_slo_s``;
 - **decode**: the mean over decode workers of the largest of step time over ``tpot_slo_s`` (a decode step is
-  one token for every stream), KV usage, and batch occupancy ((running + waiting) / max_num_seqs).
+  one token for every stream), KV usage on its way to preemption (0 up to ``KV_CALM`` of the pool in use, 1 at
+  ``KV_FULL``: a pool that is merely well used is not short), and batch occupancy ((running + waiting) /
+  max_num_seqs).
 
 Decisions, at most one per evaluation:
 
 1. **switch**: one role at ``high`` or more while the other, having given up one worker, would stay under
-   ``low``: the least loaded switchable worker of the other role changes role (after a drain: its decode
-   streams migrate away, its prefills finish; the model stays loaded).
+   ``low`` — or under ``high`` while the short role's pressure is at least twice that: the least loaded
+   switchable worker of the other role changes role (after a drain: its decode streams migrate away, its
+   prefills finish; the model stays loaded).
 2. **scale**: the same shortage but no worker can switch, or both roles short: the short role (the shorter
    one) grows by one if below its ``max_*``; a role under ``idle`` for the whole streak shrinks by one if
-   above its ``min_*``. ``max_*`` 0: that role is not scaled.
+   above its ``min_*``. ``max_*`` 0: that role is not scaled. A scale decision counts as made for
+   ``scale_settle_s`` (workers take a while to start and heartbeat): bounds are checked against the reported
+   workers plus the changes still settling, so starting workers are never asked for twice.
 
 Bounded flapping (the invariants the tests check): a decision needs ``sustain`` evaluations in a row that
 propose it; two decisions are at least ``cooldown_s`` apart; a worker that switched keeps its new role for
@@ -28,6 +33,8 @@ import dataclasses
 from collections import deque
 
 from shared.sched.types import CostModel
+
+KV_CALM, KV_FULL = 0.5, 0.95  # decode KV pressure: 0 up to KV_CALM of the pool in use, 1 at KV_FULL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,7 @@ class PlannerConfig:
     min_decode: int = 1
     max_prefill: int = 0  # scale prefill up to this many workers (0 = never scale prefill)
     max_decode: int = 0
+    scale_settle_s: float = 120.0  # a scale decision counts until then (its workers start and heartbeat)
 
     def __post_init__(self) -> None:
         if not (0 <= self.idle < self.low < self.high) or self.sustain < 1 or self.cooldown_s < 0 \
@@ -87,8 +95,8 @@ def pressures(cfg: PlannerConfig, cost: CostModel, workers: list[PoolWorker]) ->
     dec = [w for w in workers if w.role == "decode" and not w.draining]
     queued = sum(w.queued_prefill_tokens for w in workers if w.role == "prefill")  # a draining one's too
     p = cost.prefill_s(queued / len(pre)) / cfg.ttft_slo_s if pre else (float("inf") if queued else 0.0)
-    d = sum(max(w.step_s / cfg.tpot_slo_s, w.kv_usage, (w.num_running + w.num_waiting) / max(1, w.max_num_seqs))
-            for w in dec) / len(dec) if dec else 0.0
+    d = sum(max(w.step_s / cfg.tpot_slo_s, max(0.0, w.kv_usage - KV_CALM) / (KV_FULL - KV_CALM),
+                (w.num_running + w.num_waiting) / max(1, w.max_num_seqs)) for w in dec) / len(dec) if dec else 0.0
     return p, d
 
 
@@ -102,6 +110,7 @@ class Planner:
         self._last_at = float("-inf")
         self.switched_at: dict[str, float] = {}
         self.history: deque[PlanAction] = deque(maxlen=history)
+        self._settling: list[PlanAction] = []  # scale decisions younger than scale_settle_s
         self.counts: dict[tuple[str, str, str], int] = {}
         self.last_pressures = (0.0, 0.0)
 
@@ -118,6 +127,8 @@ class Planner:
         self._last_at, self._streak = now, ("", 0)
         if action.kind == "switch":
             self.switched_at[action.worker_id] = now
+        else:
+            self._settling.append(action)
         self.history.append(action)
         k = (action.kind, action.role, action.reason)
         self.counts[k] = self.counts.get(k, 0) + 1
@@ -126,7 +137,9 @@ class Planner:
     def _propose(self, now: float, workers: list[PoolWorker], p: float, d: float) -> PlanAction | None:
         cfg = self.cfg
         taking = [w for w in workers if not w.draining]
+        self._settling = [a for a in self._settling if now - a.at < cfg.scale_settle_s]
         count = {r: sum(w.role == r for w in taking) for r in ("prefill", "decode")}
+        planned = {r: count[r] + sum(a.delta for a in self._settling if a.role == r) for r in count}
         short = [r for r, x in (("prefill", p), ("decode", d)) if x >= cfg.high]
         if len(short) == 1:
             needy = short[0]
@@ -134,19 +147,20 @@ class Planner:
             n = count[donor]
             floor = cfg.min_decode if donor == "decode" else cfg.min_prefill
             after = (d if donor == "decode" else p) * n / (n - 1) if n > 1 else float("inf")
-            if n > floor and after < cfg.low:
+            short_by = p if needy == "prefill" else d
+            if n > floor and (after < cfg.low or (after < cfg.high and short_by >= 2 * after)):
                 pick = self._switch_candidate(now, taking, donor)
                 if pick is not None:
                     return PlanAction("switch", needy, f"{needy}_pressure", worker_id=pick)
         if short:
             needy = max(short, key=lambda r: (p if r == "prefill" else d, r))
             cap = cfg.max_prefill if needy == "prefill" else cfg.max_decode
-            if count[needy] < cap:
+            if planned[needy] < cap:
                 return PlanAction("scale", needy, f"{needy}_pressure", delta=1)
             return None
         for role, x in (("decode", d), ("prefill", p)):
             cap, floor = (cfg.max_decode, cfg.min_decode) if role == "decode" else (cfg.max_prefill, cfg.min_prefill)
-            if cap and x < cfg.idle and count[role] > floor:
+            if cap and x < cfg.idle and min(count[role], planned[role]) > floor:
                 return PlanAction("scale", role, f"{role}_idle", delta=-1)
         return None
 

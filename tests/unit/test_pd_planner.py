@@ -107,3 +107,33 @@ def test_a_bad_config_is_refused():
     for bad in ({"low": 0.9, "high": 0.8}, {"sustain": 0}, {"ttft_slo_s": 0}, {"max_decode": -1}):
         with pytest.raises(ValueError):
             PlannerConfig(**bad)
+
+
+def test_a_far_shorter_role_takes_a_worker_even_if_the_donor_ends_above_low():
+    """Prefill is drowning (pressure ~20) and decode, one worker smaller, would sit at 0.6 (above low, under
+    high): the switch is made; at 0.45 vs 0.7 (not twice) it is not."""
+    cfg = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=1, cooldown_s=0.0)
+    drowning = [prefill("p0", queued=20_000), decode("d0", 3), decode("d1", 3), decode("d2", 3, switchable=False),
+                decode("d3", 3, switchable=False)]            # decode 0.375 -> 0.5 after giving one
+    assert pressures(cfg, COST, drowning)[1] == pytest.approx(0.375)
+    assert [a.worker_id for a in Planner(cfg, COST).decide(0.0, drowning)] == ["d0"]
+    mild = [prefill("p0", queued=900), *drowning[1:]]         # 0.9 vs 0.5 after: not twice
+    assert Planner(cfg, COST).decide(0.0, mild) == []
+
+
+def test_kv_usage_presses_only_on_its_way_to_preemption():
+    well_used = [prefill("p0"), decode("d0", 1, kv=0.8), decode("d1", 1, kv=0.8)]
+    assert pressures(CFG, COST, well_used)[1] == pytest.approx(0.3 / 0.45)
+    nearly_full = [prefill("p0"), decode("d0", 1, kv=0.95), decode("d1", 1, kv=0.95)]
+    assert pressures(CFG, COST, nearly_full)[1] == pytest.approx(1.0)
+
+
+def test_scale_ups_still_starting_count_against_the_maximum():
+    """Workers take longer to start than the cooldown: the planner never asks past max_prefill meanwhile."""
+    cfg = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=1, cooldown_s=10.0, scale_settle_s=60.0,
+                        max_prefill=3)
+    planner = Planner(cfg, COST)
+    short = [prefill("p0", queued=5000, switchable=False), decode("d0", 4, switchable=False)]
+    ups = [a for t in range(0, 50, 5) for a in planner.decide(float(t), short)]
+    assert [a.delta for a in ups] == [1, 1]                   # 1 + 2 starting = 3 = max_prefill
+    assert planner.decide(70.0, short) != []                  # they never came: asked again once settled

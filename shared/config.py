@@ -221,7 +221,7 @@ class DraftConfig:
     registry_replicas: int = 1  # replicas of the JetStream registry bucket when this service creates it (3 in a 3-node cluster)
     model: str = ""  # the target model (GGUF file or HF folder; "" = default SmolLM2): its id names the subject
     drafter: str = "self:8"  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
-    window: int = 128  # a model drafter rebuilds its state from this many last tokens
+    window: int = 128  # a model drafter attends the last window..window+stride tokens (KV kept across steps)
     dtype: str = "auto"
     threads: int = 0  # 0 = all CPUs this process may use
     heartbeat_s: float = 1.0

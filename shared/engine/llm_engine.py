@@ -182,6 +182,8 @@ class LLMEngine:
         self.detached.pop(request_id, None)
         self.scheduler.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        if self.speculator is not None:
+            self.speculator.finished(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -279,6 +281,8 @@ class LLMEngine:
             self.held[req.request_id] = req
         self.requests.pop(req.request_id, None)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if self.speculator is not None:
+            self.speculator.finished(req.request_id)
         st = req.stats
         return RequestOutput(req.request_id, tokens or [], text, True, reason, req.num_prompt_tokens,
                              st.num_cached_tokens, req.num_output_tokens, st.ttft, st.tpot,

@@ -105,6 +105,8 @@ def drop_detached(engine: LLMEngine, request_id: str) -> None:
     engine.requests.pop(request_id, None)
     engine.block_manager.free(request_id)
     req.status, req.finish_reason = RequestStatus.FINISHED, "migrated"
+    if engine.speculator is not None:
+        engine.speculator.finished(request_id)
 
 
 def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_ids: list[int],

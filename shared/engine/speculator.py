@@ -111,5 +111,12 @@ class Speculator:
             for i, features in enumerate(req.spec_features[:num_drafted]):   # every token the target verified;
                 self.log.record(features, int(i < num_accepted), name, c.proposals)  # after a rejection: 0
 
+    def finished(self, request_id: str) -> None:
+        """``request_id`` left this engine (finished, aborted, migrated away): a drafter that keeps per-sequence
+        state (``DraftModelDrafter.release``) drops it now rather than when evicted for room."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release([request_id])
+
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()

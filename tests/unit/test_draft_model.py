@@ -1,5 +1,6 @@
-"""The draft-model drafter proposes exactly its draft model's greedy continuation of the last ``window`` tokens
-(positions relative to the window), whatever the batching; float64 tiny models make the comparisons exact."""
+"""The draft-model drafter proposes exactly its draft model's greedy continuation of its anchored window (the
+last ``window`` tokens with ``stride=1``; positions relative to the window's start), whatever the batching; float64
+tiny models make the comparisons exact. Kept state across calls: ``test_draft_state.py``."""
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from tests.model_factory import NATURAL_VOCAB, write_tiny_hf_folder
 from tests.tiny_model import all_logits
 
 WINDOW, K = 12, 5
+STRIDE = WINDOW // 2  # the drafter's default
 LENGTHS = [1, 3, 11, 12, 13, 30]  # shorter than, equal to and longer than the window
 
 
@@ -42,14 +44,23 @@ def greedy(model: LlamaModel, prompt: list[int], k: int) -> list[int]:
     return out
 
 
-def test_proposals_are_the_draft_models_greedy_window_continuation(pair):
+def visible(tokens, stride: int) -> list[int]:
+    """What the draft sees: the sequence from the anchor on, which hops by ``stride`` once past the window."""
+    return list(tokens[max(0, len(tokens) - WINDOW) // stride * stride:])
+
+
+@pytest.mark.parametrize("stride", [1, None])
+def test_proposals_are_the_draft_models_greedy_window_continuation(pair, stride):
     target, draft_dir, _ = pair
-    drafter = load_drafter(draft_dir, target, window=WINDOW, block_size=4)
+    drafter = load_drafter(draft_dir, target, window=WINDOW, block_size=4, stride=stride)
     assert drafter.model.dtype == torch.float64 and drafter.model.config.num_layers == 1
+    assert drafter.stride == (stride or STRIDE)
     seqs = sequences()
     got = drafter.propose(seqs, K)
     for seq, proposal in zip(seqs, got):
-        tail = list(seq.token_ids[-WINDOW:])
+        tail = visible(seq.token_ids, stride or STRIDE)
+        if stride == 1:  # exactly the last window, as a per-step rebuild sees it
+            assert tail == list(seq.token_ids[-WINDOW:])
         assert proposal.tokens == greedy(drafter.model, tail, K)
         # features: softmax of the draft's logits over window + drafted tokens, recomputed without a cache
         logits = all_logits(drafter.model, tail + proposal.tokens[:-1])[len(tail) - 1:]  # [K, V]
@@ -72,7 +83,7 @@ def test_batched_and_sliced_equal_one_at_a_time(pair):
         for g, e in zip(got, expected):
             assert sum((f.as_list() for f in g.features), []) == pytest.approx(
                 sum((f.as_list() for f in e.features), []), rel=1e-9)
-    # the scratch cache is reused across calls and stale contents never leak into a later proposal
+    # states are kept across calls (a repeated sequence only refeeds its last token): still the same proposals
     assert [p.tokens for p in alone.propose(list(reversed(seqs)), K)] == [p.tokens for p in reversed(expected)]
 
 

@@ -3,8 +3,9 @@
 - ``prompt_lookup``: n-gram matches in the sequence itself (no weights; ``shared/spec/prompt_lookup.py``).
 - ``self:N``: the target's first N layers drafting for it (``shared/spec/draft_model.self_speculative``).
 - a GGUF file or HF folder: a smaller model with the target's vocabulary (``draft_model.load_drafter``).
-Model drafters see an anchored window of the last ``window`` to ``window + stride`` tokens and keep its KV across
-steps (``shared/spec/draft_state.py``): rebuilt only without state (a new sequence, a hand-off) or when the anchor moves.
+Model drafters see an anchored window of the last ``window`` to ``window + stride`` tokens and keep its KV
+across steps (``shared/spec/draft_state.py``): rebuilt only without state (a new sequence, a hand-off) or when
+the anchor moves.
 """
 from __future__ import annotations
 

@@ -3,16 +3,15 @@
 For the Mooncake trace at each ``--speeds`` arrival rate and for the shifting chat -> agent -> chat workload
 (``shared/sched/workloads.py``), one run each on ``--workers`` workers (``--prefill`` of them prefill):
 
-- ``fixed``: the split as configured, plain simulator;
-- ``fixed +tick``: the same with the elastic runs' evaluation tick and no policy (the drain rule only, and
-  nothing drains): the simulator lets a stream handed off during a decode worker's multi-step wait for its end,
-  and a tick bounds that wait, so this row isolates what the policies themselves change;
+- ``fixed``: the split as configured, plain simulator (the evaluation tick alone changes nothing: a stream
+  handed off to a busy decode worker joins its batch at the next step boundary, tick or not);
 - ``migrate``, ``planner``, ``migrate+planner``: the router's policies from that split;
-- ``best fixed`` / ``best fixed +tick``: the best split (most requests within both SLOs, then goodput) of a
-  sweep over prefill = 1 .. workers-1.
+- ``best fixed``: the best split (most requests within both SLOs, then goodput) of a sweep over prefill = 1 ..
+  workers-1.
 
 Columns: TTFT attainment (requests with TTFT <= SLO, of all), TPOT attainment (of requests with a TPOT), both
-SLOs, goodput (requests within both SLOs per second), TTFT / TPOT p99, migrations and planner decisions.
+SLOs, goodput (requests within both SLOs per second), TTFT / TPOT p99, migrations and planner decisions (each
+with the prefill / decode pressures it was made at).
 
 Then a scale run: ``--scale-workers`` workers on the trace tiled ``--scale-copies`` times (copy c: hash ids
 shifted past every id of the trace, arrivals shifted by c/copies of the mean gap, so the copies interleave) over
@@ -39,8 +38,6 @@ from benchmarks.traces import DEFAULT_TRACE_HELP, resolve_trace
 from shared.sched.simulator import (MigrationConfig, PlannerConfig, TraceRequest, distinct_blocks, load_trace,
                                     simulate)
 from shared.sched.workloads import shifting_workload
-
-TICK_ONLY = MigrationConfig(kv_high=float("inf"), skew_min=0)  # drain rule only: no move unless a worker drains
 
 
 def attainment(res: dict) -> tuple[float, float]:
@@ -85,27 +82,27 @@ def timed(trace, args, prefill: int, **kw) -> tuple[dict, float]:
 def compare(name: str, trace: list[TraceRequest], args) -> None:
     planner = PlannerConfig(ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo)
     both = {"migration": MigrationConfig(), "planner": planner}
-    runs = [("fixed", {}), ("fixed +tick", {"migration": TICK_ONLY}), ("migrate", {"migration": MigrationConfig()}),
-            ("planner", {"planner": planner}), ("migrate+planner", both)]
+    runs = [("fixed", {}), ("migrate", {"migration": MigrationConfig()}), ("planner", {"planner": planner}),
+            ("migrate+planner", both)]
     rows, notes = [], []
     for label, kw in runs:
         res, wall = timed(trace, args, args.prefill, **kw)
         rows.append(row(f"{label} {args.prefill}:{args.workers - args.prefill}", res, wall))
         if "planner" in kw:
-            notes.append(f"#   {label} decisions: " + ", ".join(
-                f"{d['t_s']:.0f}s {d['worker']}->{d['role']}" if d["kind"] == "switch"
-                else f"{d['t_s']:.0f}s {d['role']} {d['delta']:+d}" for d in res["planner"]["decisions"]))
+            notes.append(f"#   {label} decisions (pressures P/D): " + ", ".join(
+                (f"{d['t_s']:.0f}s {d['worker']}->{d['role']}" if d["kind"] == "switch"
+                 else f"{d['t_s']:.0f}s {d['role']} {d['delta']:+d}")
+                + f" ({d['prefill_pressure']:.2f}/{d['decode_pressure']:.2f})" for d in res["planner"]["decisions"]))
     sweep_wall = time.perf_counter()
-    for label, kw in (("best fixed", {}), ("best fixed +tick", {"migration": TICK_ONLY})):
-        best, scores = None, []
-        for p in range(1, args.workers):
-            res, wall = timed(trace, args, p, **kw)
-            scores.append(f"{p}:{args.workers - p}={res['slo_attainment']:.3f}")
-            if best is None or (res["slo_met"], res["goodput_rps"]) > (best[0]["slo_met"], best[0]["goodput_rps"]):
-                best = (res, wall, p)
-        res, wall, p = best
-        rows.append(row(f"{label} {p}:{args.workers - p}", res, wall))
-        notes.append(f"#   sweep {label} (slo attainment): {' '.join(scores)}")
+    best, scores = None, []
+    for p in range(1, args.workers):
+        res, wall = timed(trace, args, p)
+        scores.append(f"{p}:{args.workers - p}={res['slo_attainment']:.3f}")
+        if best is None or (res["slo_met"], res["goodput_rps"]) > (best[0]["slo_met"], best[0]["goodput_rps"]):
+            best = (res, wall, p)
+    res, wall, p = best
+    rows.append(row(f"best fixed {p}:{args.workers - p}", res, wall))
+    notes.append(f"#   sweep (slo attainment): {' '.join(scores)}")
     print(f"# {name}: {len(trace)} requests, {args.workers} workers, policy {args.policy}, SLO TTFT {args.ttft_slo} s "
           f"TPOT {args.tpot_slo} s, tick {args.tick} s (sweeps {time.perf_counter() - sweep_wall:.0f} s)")
     print(table(rows))

@@ -2,7 +2,11 @@
 (``pd_planner.Planner``), run on a periodic tick with the SAME objects the router builds from heartbeats.
 
 Every ``tick_s`` simulated seconds while work remains: the planner decides on ``PoolWorker``s of the live
-workers, then the migration policy on ``DecodeLoad``/``MovableStream``s of the decode workers.
+workers, then the migration policy on ``DecodeLoad``/``MovableStream``s of the decode workers, built as the
+router builds them (``services/router/planner.py`` ``pool``, ``services/router/migration.py`` ``consider``):
+``DecodeLoad.running`` = max(running + waiting, placed and not ended), ``PoolWorker.num_waiting`` =
+max(waiting, placed - running), where placed counts requests on their way (``incoming``); KV usage is what an
+engine's heartbeat reports (blocks in use, at most 1), not the simulator's up-front reservations.
 
 - A move reserves the stream's blocks on the target (no room: it does not move), detaches the stream from the
   source when the source's current step ends (freeing its blocks there) and resumes it on the target after
@@ -18,7 +22,6 @@ only when it holds nothing (no running, queued, incoming or departing request).
 """
 from __future__ import annotations
 
-import heapq
 import logging
 
 from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
@@ -71,7 +74,7 @@ class Elastic:
         for w in self.live():
             if w.draining:
                 self.maybe_retire(w)
-        if any(kind not in (_TICK, _START) for _, kind, _, _ in sim.events):  # work remains
+        if any(kind not in (_TICK, _START) and not sim.stale(kind, d) for _, kind, _, d in sim.events):  # work remains
             self._schedule(sim.now + self.tick_s)
         else:
             sim.next_tick = float("inf")
@@ -87,8 +90,9 @@ class Elastic:
     def migrate(self) -> None:
         sim = self.sim
         decode = [w for w in self.live() if w.role == "decode"]
-        loads = [DecodeLoad(w.wid, len(w.running) + w.incoming, w.used / max(1, w.cap), w.draining,
-                            step_s=self._step_s(w)) for w in decode]
+        # as the router: running is the larger of running + waiting and what was placed there (not ended)
+        loads = [DecodeLoad(w.wid, max(len(w.running) + len(w.queue), w.num_placed), w.kv_usage(sim.bs),
+                            w.draining, step_s=self._step_s(w)) for w in decode]
         streams, by_rid = [], {}
         for w in decode:
             for r in w.running:
@@ -136,14 +140,12 @@ class Elastic:
             w.kv_tokens -= r.tr.input_length + r.generated
             t = sim.now + -(-(r.tr.input_length + r.generated) // sim.bs) * sim.block_s
             self.pause_s += t - sim.now
-            heapq.heappush(sim.handoffs, t)
             sim.push(t, _MOVED, (r, w.wid))
         w.moves_out = []
 
     def arrive(self, r: _Req, source: str) -> None:
         """``r``'s context arrived on its target: it decodes there from the next step."""
         sim = self.sim
-        heapq.heappop(sim.handoffs)
         tidx, reason = r.move_to
         w = sim.workers[tidx]
         w.incoming -= 1
@@ -154,14 +156,15 @@ class Elastic:
         self.in_flight[source] -= 1
         self.moves += 1
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
-        sim.kick(w)
+        sim.join(w)  # it joins the batch at the target's next step boundary
 
     # --- the P:D planner ---------------------------------------------------------------------------------
     def pool_worker(self, w: _Worker) -> PoolWorker:
-        """As the router's planner builds it: waiting includes requests placed there and not arrived yet."""
+        """As the router's planner builds it: waiting is ``max(waiting, placed - running)`` (placed: requests
+        placed there and not ended, including those on their way); KV usage as the engine reports it."""
         return PoolWorker(w.wid, w.role, switchable=True, queued_prefill_tokens=w.queued_tokens + w.prefill_left,
-                          num_running=len(w.running), num_waiting=len(w.queue) + w.incoming,
-                          kv_usage=w.used / max(1, w.cap), step_s=self._step_s(w),
+                          num_running=len(w.running), num_waiting=w.num_waiting,
+                          kv_usage=w.kv_usage(self.sim.bs), step_s=self._step_s(w),
                           max_num_seqs=self.sim.p.max_num_seqs, draining=w.draining)
 
     def carry_out(self, action) -> None:

@@ -5,12 +5,12 @@ FIFO prefill queue (chunked prefill mixed with decode, as the engine's token-bud
 batched decode. Events are ``(time, kind, seq, data)`` in a heap: at equal times a step's end comes before a
 hand-off, and both before an arrival; ``seq`` keeps the order of equal events, so runs are deterministic.
 
-Invariants: every time in ``handoffs`` (KV hand-offs and live migrations under way) has its event in ``events``;
-a decode-only multi-step stops at the first step boundary at or after the next arrival, hand-off or tick known
-when it was planned; ``elastic`` None (no migration, no planner) leaves every result as it was before the elastic
-cluster existed. Known gap, kept for comparable results: a hand-off scheduled after a decode worker planned its
-multi-step (a prefill that ends meanwhile) joins only when the multi-step ends (its idle wait counts in its
-TPOT); after the last arrival nothing bounds that wait but the next finish, with the elastic tick ``tick_s``.
+Invariants: a decode-only step event may cover ``k`` steps (up to the next finish, or the first step boundary at
+or after the next elastic tick); work that reaches a busy worker (a placement, a hand-off, a live migration)
+cuts its pending event at the first step boundary at or after the arrival (``join``), so it enters the batch
+at the next step boundary, as in the engine; a cut event is replaced, the old one is stale (``gen``) and
+ignored. A worker's step boundaries do not depend on how its steps are grouped into events, so ticks that
+change nothing change no result. ``elastic`` None (no migration, no planner): no tick.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import dataclasses
 import heapq
 import math
 import time
+from bisect import bisect_left
 
 from shared.sched.placement import place_request
 from shared.sched.profiles import Profile
@@ -47,8 +48,6 @@ class _Sim:
         self.block_s = profile.block_transfer_s(block_size)
         self.events: list = []
         self.seq = 0
-        self.handoffs: list[float] = []
-        self.next_arrival = 0
         self.rejected = 0
         self.done: list[_Req] = []
         self.hit_blocks = self.local_blocks = self.total_blocks = 0
@@ -64,12 +63,14 @@ class _Sim:
 
     # --- arrivals ---------------------------------------------------------------------------------------
     def view(self, tr: TraceRequest) -> ClusterView:
-        """What the policy sees: every worker taking placements (neither draining nor removed)."""
+        """What the policy sees: every worker taking placements (neither draining nor removed); a decode
+        worker's waiting requests include those placed there whose prefill or hand-off is under way, as the
+        router counts its own placements (``_Worker.num_waiting``)."""
         views, overlap = [], {}
         for w in self.workers:
             if w.draining or w.removed:
                 continue
-            views.append(WorkerView(w.wid, w.role, len(w.running), len(w.queue),
+            views.append(WorkerView(w.wid, w.role, len(w.running), len(w.queue) + w.incoming,  # w.num_waiting
                                     w.queued_tokens + w.prefill_left, max(0, w.cap - w.used), w.cap, self.bs))
             overlap[w.wid] = w.prefix(tr.hash_ids)
         pre = tuple(v for v in views if v.role in ("prefill", "both"))
@@ -99,12 +100,23 @@ class _Sim:
             dw.incoming += 1
         pw.queue.append(r)
         pw.queued_tokens += r.est
-        self.kick(pw)
+        self.join(pw)
 
     # --- worker steps ------------------------------------------------------------------------------------
-    def kick(self, w: _Worker) -> None:
+    def join(self, w: _Worker) -> None:
+        """Work reached ``w`` now: an idle worker plans a step; a busy one ends its pending multi-step at the
+        first step boundary at or after now (steps already under way complete), so the work enters the batch
+        there."""
         if not w.busy:
             self.plan(w)
+            return
+        ends = w.step_ends
+        j = bisect_left(ends, self.now)
+        if j >= len(ends) - 1:  # the pending event ends at that boundary already
+            return
+        w.gen += 1
+        w.step_ends = ends[:j + 1]
+        self.push(ends[j], _STEP, (w.idx, w.gen, j + 1, (), w.step_decoding))
 
     def admit(self, w: _Worker) -> _Req | None:
         """Move the queue's head into the running batch if its blocks fit (FIFO: a head that does not fit
@@ -179,7 +191,7 @@ class _Sim:
             budget -= c
         decodes = len(decoding)
         if not chunks and not decodes:
-            w.busy = False
+            w.busy, w.step_ends, w.step_decoding = False, [], []
             return
         w.busy = True
         if chunks:
@@ -187,23 +199,23 @@ class _Sim:
             dt += sum(self._chunk_s(r, c) for r, c in chunks)
             if decodes:
                 dt += self.p.decode_step_s(decodes, w.kv_tokens) - self.p.decode_base_s
-            self.push(self.now + dt, _STEP, (w.idx, 1, chunks, decoding))
+            w.step_ends, w.step_decoding = [self.now + dt], decoding
+            self.push(self.now + dt, _STEP, (w.idx, w.gen, 1, chunks, decoding))
             return
-        # decode only: advance k steps at once, up to the next finish or the first step boundary after the next
-        # event that could change this worker (an arrival, a hand-off or migration, a tick)
-        limit = min(self.trace[self.next_arrival].arrival_s if self.next_arrival < len(self.trace) else math.inf,
-                    self.handoffs[0] if self.handoffs else math.inf, self.next_tick)
+        # decode only: k steps at once, up to the next finish or the first step boundary at or after the next tick
+        # (its policies see the cluster between steps); work arriving meanwhile cuts the event short (join)
         kmax = min(r.tr.output_length - r.generated for r in decoding)
-        t, kv, k = self.now, w.kv_tokens, 0
-        while k < kmax:
+        t, kv, ends = self.now, w.kv_tokens, []
+        while len(ends) < kmax:
             t += self.p.decode_step_s(decodes, kv)
             kv += decodes
-            k += 1
-            if t >= limit:
+            ends.append(t)
+            if t >= self.next_tick:
                 break
-        self.push(t, _STEP, (w.idx, k, (), decoding))
+        w.step_ends, w.step_decoding = ends, decoding
+        self.push(t, _STEP, (w.idx, w.gen, len(ends), (), decoding))
 
-    def step_done(self, widx: int, k: int, chunks, decoding) -> None:
+    def step_done(self, widx: int, gen: int, k: int, chunks, decoding) -> None:
         """``k`` steps ended: each request in ``decoding`` gained ``k`` tokens, each chunk was computed. Streams
         ordered to migrate leave now, between steps; a draining worker left with nothing completes its drain."""
         w = self.workers[widx]
@@ -236,9 +248,7 @@ class _Sim:
         if r.decode_w != w.idx:  # disaggregated: ship the KV to the decode worker
             w.running.remove(r)
             w.release(r)
-            t = self.now + len(hashes) * self.block_s
-            heapq.heappush(self.handoffs, t)
-            self.push(t, _HANDOFF, r)
+            self.push(self.now + len(hashes) * self.block_s, _HANDOFF, r)
             return
         self.start_decode(w, r)
 
@@ -254,7 +264,6 @@ class _Sim:
         w.kv_tokens += r.tr.input_length + 1
 
     def handoff(self, r: _Req) -> None:
-        heapq.heappop(self.handoffs)
         w = self.workers[r.decode_w]
         w.incoming -= 1
         r.total_blocks = -(-(r.tr.input_length + r.tr.output_length) // self.bs)
@@ -263,7 +272,7 @@ class _Sim:
         w.private += r.private
         w.evict()
         self.start_decode(w, r)
-        self.kick(w)
+        self.join(w)
         if w.draining:  # a one-token request ends on arrival
             self.elastic.maybe_retire(w)
 
@@ -275,6 +284,10 @@ class _Sim:
         r.generated = r.tr.output_length
         self.done.append((r, self.now))
 
+    def stale(self, kind: int, data) -> bool:
+        """A step event replaced by a shorter one (``join``)."""
+        return kind == _STEP and data[1] != self.workers[data[0]].gen
+
     def run(self) -> None:
         if self.trace:
             self.push(self.trace[0].arrival_s, _ARRIVAL, 0)
@@ -282,11 +295,12 @@ class _Sim:
             self.elastic.start()
         while self.events:
             t, kind, _, data = heapq.heappop(self.events)
+            if self.stale(kind, data):
+                continue
             self.now = t
             if kind < _START:
                 self.last_work_s = t
             if kind == _ARRIVAL:
-                self.next_arrival = data + 1
                 if data + 1 < len(self.trace):
                     self.push(self.trace[data + 1].arrival_s, _ARRIVAL, data + 1)
                 self.arrive(self.trace[data])

@@ -4,7 +4,10 @@ blocks, prefill queue, decode batch). Used only by the simulator (``sim_engine.p
 Invariants: a block is either pinned (referenced by a running request, with a refcount) or in the LRU
 (cached, evictable), never both; ``len(lru) + len(pinned) + private <= cap`` after ``evict()`` unless private
 reservations alone exceed it (a hand-off is never refused). A worker takes new placements only while neither
-``draining`` nor ``removed``; ``incoming`` counts requests placed to decode there that have not arrived yet.
+``draining`` nor ``removed``; ``incoming`` counts requests placed to decode there that have not arrived yet
+(their prefill or KV hand-off, or their live migration, under way). While ``busy``, ``step_ends`` holds the
+step boundaries of the worker's pending step event (stamped ``gen``; a cut raises ``gen``), ``step_decoding``
+the streams it decodes.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ class _Worker:
         self.running: list[_Req] = []
         self.kv_tokens = 0
         self.busy = False
+        self.gen = 0  # stamp of the pending step event: one with an older stamp was cut short and is ignored
+        self.step_ends: list[float] = []  # boundaries of the pending step event's steps, in time order
+        self.step_decoding: list[_Req] = []  # the streams the pending step event decodes
         # elastic cluster (sim_elastic.py): drain, role switch, removal, live migration
         self.draining = self.removed = False
         self.incoming = 0  # placed here to decode, prefill or hand-off still under way
@@ -53,6 +59,26 @@ class _Worker:
     def used(self) -> int:
         """Blocks not free for a new request (pinned or reserved; LRU blocks can be evicted)."""
         return len(self.pinned) + self.private
+
+    @property
+    def num_placed(self) -> int:
+        """Requests placed here whose work here has not ended: running, queued, or on their way here."""
+        return len(self.running) + len(self.queue) + self.incoming
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting as the router counts it, ``max(waiting, placed - running)``: the larger of the queue and what
+        was placed here beyond the running requests, which is the queue plus the requests on their way."""
+        return len(self.queue) + self.incoming
+
+    def kv_usage(self, block_size: int) -> float:
+        """The KV pool's usage as the engine reports it in heartbeats, in [0, 1]: a running request holds the
+        blocks of its context so far (the simulator reserves a stream's output blocks when it arrives, the engine
+        allocates them as tokens come), and a pool is never more than full (the engine preempts; the simulator
+        lets reservations exceed ``cap``)."""
+        unwritten = sum(max(0, r.total_blocks - -(-(r.tr.input_length + r.generated) // block_size))
+                        for r in self.running)
+        return min(1.0, (self.used - unwritten) / max(1, self.cap))
 
     def holds_nothing(self) -> bool:
         return not (self.running or self.queue or self.incoming or self.moves_out or self.busy)

@@ -24,7 +24,8 @@ Decisions, at most one per evaluation:
    workers plus the changes still settling, so starting workers are never asked for twice.
 
 Bounded flapping (the invariants the tests check): a decision needs ``sustain`` evaluations in a row that
-propose it; two decisions are at least ``cooldown_s`` apart; a worker that switched keeps its new role for
+propose it; two decisions are at least ``cooldown_s`` apart, or a third of it when the second moves capacity the same
+way as the first (more of the same shortage: a reversal always waits the whole cooldown); a worker that switched keeps its new role for
 ``dwell_s``; a role never drops below ``min_*`` workers; ``high`` > ``low`` leaves a band where nothing moves.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ class PlannerConfig:
     low: float = 0.5    # the donor role must stay below this after giving one worker
     idle: float = 0.05  # a role below this for a whole streak may shrink (scaling only)
     sustain: int = 3    # evaluations in a row proposing the same decision before it is made
-    cooldown_s: float = 30.0  # between two decisions
+    cooldown_s: float = 30.0  # between two decisions (a third of it between two toward the same role)
     dwell_s: float = 120.0    # a switched worker keeps its role at least this long
     min_prefill: int = 1
     min_decode: int = 1
@@ -108,6 +109,7 @@ class Planner:
         self.cfg, self.cost = cfg, cost
         self._streak: tuple[str, int] = ("", 0)  # proposed decision key, evaluations in a row
         self._last_at = float("-inf")
+        self._last_toward = ""  # the role the last decision gave capacity to ("" for a scale-down)
         self.switched_at: dict[str, float] = {}
         self.history: deque[PlanAction] = deque(maxlen=history)
         self._settling: list[PlanAction] = []  # scale decisions younger than scale_settle_s
@@ -121,10 +123,12 @@ class Planner:
         proposal = self._propose(now, workers, p, d)
         key = "" if proposal is None else f"{proposal.kind}:{proposal.role}:{proposal.delta}"
         self._streak = (key, self._streak[1] + 1 if key and key == self._streak[0] else int(bool(key)))
-        if proposal is None or self._streak[1] < cfg.sustain or now - self._last_at < cfg.cooldown_s:
+        toward = proposal.role if proposal is not None and proposal.delta >= 0 else ""
+        cooldown = cfg.cooldown_s / 3 if toward and toward == self._last_toward else cfg.cooldown_s
+        if proposal is None or self._streak[1] < cfg.sustain or now - self._last_at < cooldown:
             return []
         action = dataclasses.replace(proposal, prefill_pressure=round(p, 4), decode_pressure=round(d, 4), at=now)
-        self._last_at, self._streak = now, ("", 0)
+        self._last_at, self._streak, self._last_toward = now, ("", 0), toward
         if action.kind == "switch":
             self.switched_at[action.worker_id] = now
         else:

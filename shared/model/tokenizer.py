@@ -1,11 +1,16 @@
 """Text <-> token ids for a model, built from a GGUF's own metadata or from a Hugging Face ``tokenizer.json``.
 
 Invariants:
-- ``encode`` never adds special tokens unless asked; special-token text in the input (``"<|im_start|>"``) is
-  always one token, as in Hugging Face and llama.cpp;
+- ``encode`` adds no special token except the model's BOS, and that only when the model asks for one (GGUF
+  ``tokenizer.ggml.add_bos_token``, e.g. Gemma; ``add_bos_token`` in an HF ``tokenizer_config.json``) and the
+  text does not already start with it (a chat template that writes ``<bos>`` itself); special-token text in
+  the input (``"<|im_start|>"``) is always one token, as in Hugging Face and llama.cpp;
 - a GGUF byte-level BPE vocabulary keeps llama.cpp's ids exactly (nothing is appended to the vocabulary),
   and its pre-tokenizer follows ``tokenizer.ggml.pre`` the way llama.cpp does (e.g. ``smollm`` splits every
-  digit, matching SmolLM2's own ``tokenizer.json``);
+  digit, matching SmolLM2's own ``tokenizer.json``); a SentencePiece one (``llama``, Gemma) is built by
+  shared/model/tokenizer_spm.py, also with llama.cpp's ids;
+- a Gemma 3 GGUF without ``tokenizer.chat_template`` gets Gemma's turn template (shared/model/gemma3.py) and
+  ``<end_of_turn>`` as a stop token;
 - ``IncrementalDecoder``: the concatenation of everything ``feed`` returned plus ``flush()`` equals
   ``decode(all ids)``; no piece ends in a partial UTF-8 character.
 """
@@ -22,7 +27,9 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from shared.errors import DeepinferError, ErrorCode
+from shared.model import gemma3
 from shared.model.chat_template import render_chat_template
+from shared.model.tokenizer_spm import sentencepiece_bpe
 
 log = logging.getLogger(__name__)
 
@@ -55,38 +62,52 @@ class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the model-level facts around it (BOS/EOS ids, chat template)."""
 
     def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None = None,
-                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None) -> None:
+                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None, add_bos: bool = False) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
+        self.add_bos = add_bos  # encode() puts BOS first (the model was trained that way)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, source: GGUFReader | str | Path) -> "Tokenizer":
-        """Build the tokenizer described by a GGUF's ``tokenizer.*`` metadata (only ``gpt2`` byte-level BPE)."""
+        """Build the tokenizer described by a GGUF's ``tokenizer.*`` metadata: ``gpt2`` byte-level BPE, or ``llama``
+        SentencePiece BPE without a prefix space (Gemma). ``source``: a parsed header, a ``.gguf`` path or a
+        packaged model name (``gemma3-270m``, see shared/model/locate.py)."""
         from shared.model.gguf_loader import corrupt, metadata, open_gguf  # lazy: keeps torch out of tokenizer-only use
-        reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+        from shared.model.locate import resolve_model
+        reader = source if isinstance(source, GGUFReader) else open_gguf(resolve_model(source))
         where = source if not isinstance(source, GGUFReader) else getattr(reader.data.base, "filename", "GGUF file")
         kind = metadata(reader, "tokenizer.ggml.model")
         tokens = metadata(reader, "tokenizer.ggml.tokens")
-        if kind != "gpt2":
-            raise corrupt(where, f"tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        if kind not in ("gpt2", "llama"):
+            raise corrupt(where, f"tokenizer model {kind!r} is not supported ('gpt2' byte-level BPE, 'llama' "
+                                 f"SentencePiece BPE)")
         if not tokens:
             raise corrupt(where, "has no tokenizer.ggml.tokens")
         types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = metadata(reader, "tokenizer.ggml.merges") or []
-        pre = metadata(reader, "tokenizer.ggml.pre") or "default"
-        backend = _byte_level_bpe(tokens, types, merges, pre)
-        bos = metadata(reader, "tokenizer.ggml.bos_token_id")
-        if metadata(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos, unk = metadata(reader, "tokenizer.ggml.bos_token_id"), metadata(reader, "tokenizer.ggml.unknown_token_id")
+        if kind == "llama":
+            if metadata(reader, "tokenizer.ggml.add_space_prefix", True):  # llama.cpp's default is true
+                raise corrupt(where, "SentencePiece vocabularies with add_space_prefix are not supported")
+            backend = sentencepiece_bpe(tokens, metadata(reader, "tokenizer.ggml.scores"), types,
+                                        unk_token=None if unk is None else tokens[int(unk)])
+        else:
+            merges = metadata(reader, "tokenizer.ggml.merges") or []
+            backend = _byte_level_bpe(tokens, types, merges, metadata(reader, "tokenizer.ggml.pre") or "default")
+        add_bos = bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+        if add_bos:
             bos_text = tokens[int(bos)]
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos_text} $A", pair=f"{bos_text} $A $B", special_tokens=[(bos_text, int(bos))])
         eos = [metadata(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        template = metadata(reader, "tokenizer.chat_template")
+        if metadata(reader, "general.architecture") == "gemma3":  # llama.cpp stops at <end_of_turn> too
+            eos.append(backend.token_to_id(gemma3.END_OF_TURN))
+            template = template or gemma3.CHAT_TEMPLATE
         return cls(backend, bos_token_id=None if bos is None else int(bos),
-                   eos_token_ids=[int(i) for i in eos if i is not None],
-                   chat_template=metadata(reader, "tokenizer.chat_template"))
+                   eos_token_ids=[int(i) for i in eos if i is not None], chat_template=template, add_bos=add_bos)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
@@ -114,7 +135,7 @@ class Tokenizer:
 
         eos = token_id("eos_token")
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=[] if eos is None else [eos],
-                   chat_template=template)
+                   chat_template=template, add_bos=config.get("add_bos_token") is True)
 
     def add_eos_token_ids(self, ids: Iterable[int]) -> None:
         """Also stop on ``ids`` (e.g. the model config's / generation config's EOS list)."""
@@ -140,8 +161,15 @@ class Tokenizer:
         return self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     # ---- text <-> ids -------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """``text`` → ids. ``None``: the model's own rule (BOS first when ``add_bos`` and the text does not already
+        start with it; nothing else); ``True``/``False``: the backend's post-processor, or nothing at all."""
+        if add_special_tokens is not None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None and ids and ids[0] != self.bos_token_id:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -10,12 +10,20 @@ tokens up to and including the first rejection (``train_head.conditional_mask``)
 let the simulation count what verifying an untrimmed proposal costs (all ``k`` tokens go to the target).
 Positions whose proposal would run past an EOS that ended the output are skipped (counted).
 
-    python -m benchmarks.spec_acceptance_data --out /tmp/pl.jsonl --head shared/spec/heads/prompt_lookup.json
+Train/test split (``split_of``): every prompt of the pool (all of ``engine_prompts.json`` and every code-edit
+task) belongs to ``train`` or ``test`` by a stable hash of its *group* (``group_key``: its source file with the
+docstring-only variant folded onto the file, the GNU licences folded into one group, a code-edit task's code),
+so a prompt and its near-duplicates are always on the same side. ``--split train`` logs the training side
+only. The shipped prompt-lookup head is fitted on the train side by ``benchmarks/spec_head_eval.py --ship``,
+which also reports it on both sides.
+
+    python -m benchmarks.spec_acceptance_data --split train --out /tmp/pl.jsonl --head /tmp/prompt_lookup.json
     python -m benchmarks.spec_acceptance_data --drafter draft_model --draft self:8 --stride 8 --out /tmp/dm.jsonl
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import random
@@ -62,6 +70,40 @@ def build_prompts(tokenizer, num_bench: int, num_edit: int) -> list[tuple[str, l
         text = tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n```python\n{code}```"}])
         out.append((f"edit{i}", tokenizer.encode(text)))
     return out
+
+
+SPLIT_SALT = "deepinfer-spec-head-split/v1"
+_GNU_LICENCES = ("common-licenses/GPL", "common-licenses/LGPL", "common-licenses/GFDL")
+
+
+def group_key(source: str) -> str:
+    """Near-duplicate group of a benchmark prompt's source: ``python-stdlib-docstrings/x.py`` (the docstrings of
+    ``x.py``) joins ``python-stdlib/x.py``; the GNU licences (GPL, LGPL, GFDL: shared boilerplate) are one group."""
+    if source.startswith(_GNU_LICENCES):
+        return "common-licenses/GNU"
+    return source.replace("python-stdlib-docstrings/", "python-stdlib/", 1)
+
+
+def split_of(key: str, salt: str = SPLIT_SALT, train_fraction: float = 0.5) -> str:
+    """``"train"`` or ``"test"``: a pure function of ``(salt, key)`` (SHA-256), independent of order and run."""
+    bucket = int.from_bytes(hashlib.sha256(f"{salt}\0{key}".encode()).digest()[:8], "big") / 2.0 ** 64
+    return "train" if bucket < train_fraction else "test"
+
+
+def prompt_pool(tokenizer) -> list[tuple[str, str, list[int]]]:
+    """(name, group key, token ids) of every benchmark prompt, then every code-edit task (names as in
+    ``build_prompts``)."""
+    out = [(f"bench{p['id']}-{p['kind']}-{p['family']}", group_key(p["source"]), list(p["token_ids"]))
+           for p in json.loads(PROMPTS.read_text())["prompts"]]
+    for i, (instruction, code) in enumerate(EDIT_TASKS):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n```python\n{code}```"}])
+        out.append((f"edit{i}", f"edit:{code}", tokenizer.encode(text)))
+    return out
+
+
+def split_pool(tokenizer, split: str, salt: str = SPLIT_SALT) -> list[tuple[str, list[int]]]:
+    """(name, token ids) of the pool's prompts on side ``split`` (``"train"`` or ``"test"``), in pool order."""
+    return [(name, ids) for name, key, ids in prompt_pool(tokenizer) if split_of(key, salt) == split]
 
 
 def make_drafter(args: argparse.Namespace, target):
@@ -133,6 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="spec_acceptance.jsonl", help="acceptance log to write (overwritten)")
     ap.add_argument("--drafter", default="prompt_lookup", choices=("prompt_lookup", "draft_model"))
+    ap.add_argument("--split", choices=("train", "test"), default=None, help="log every prompt of this side of "
+                    "the train/test split (then --num-prompts and --num-edit are ignored)")
     ap.add_argument("--num-prompts", type=int, default=24, help="prompts from data/engine_prompts.json")
     ap.add_argument("--num-edit", type=int, default=len(EDIT_TASKS), help=f"code-edit prompts (<= {len(EDIT_TASKS)})")
     ap.add_argument("--new-tokens", type=int, default=128, help="output positions drafted at per prompt")
@@ -155,7 +199,10 @@ def main() -> None:
     from shared.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu", num_threads=args.threads))
-    prompts = build_prompts(engine.tokenizer, args.num_prompts, args.num_edit)
+    if args.split:
+        prompts = split_pool(engine.tokenizer, args.split)
+    else:
+        prompts = build_prompts(engine.tokenizer, args.num_prompts, args.num_edit)
     random.Random(args.seed).shuffle(prompts)
     # k extra tokens: the labels of a proposal drafted at the last logged position
     outputs = target_outputs(engine, prompts, args.new_tokens + args.k, args.outputs)

@@ -16,6 +16,7 @@ import aiohttp
 from shared import nats_auth
 from shared.http_client import stream_events
 from shared.launcher import Cluster, ClusterSpec
+from shared.launcher_scale import LauncherScaleDesk
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."  # the in-process demo asks the same
 DEMO_MESSAGES = [{"role": "user", "content": DEMO_PROMPT}]
@@ -63,6 +64,9 @@ def add_parser(sub) -> None:
                     help="prefill and decode workers can switch role without reloading (worker-<n>; the planner's)")
     up.add_argument("--planner", action="store_true",
                     help="the router's online P:D planner: moves switchable workers between prefill and decode")
+    up.add_argument("--planner-max-prefill", type=int, default=0, metavar="N",
+                    help="with --planner: start prefill workers up to N when no worker can switch (0 = never)")
+    up.add_argument("--planner-max-decode", type=int, default=0, metavar="N", help="the same for decode workers")
     up.add_argument("--demo", action="store_true", help="send one demo chat request through the HTTP API once up")
     up.add_argument("--exit-after-demo", action="store_true")
 
@@ -126,7 +130,8 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                        draft=draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
                        tenants=[t.strip() for t in args.tenants.split(",") if t.strip()],
-                       switchable=args.switchable, planner=args.planner)
+                       switchable=args.switchable, planner=args.planner,
+                       planner_max_prefill=args.planner_max_prefill, planner_max_decode=args.planner_max_decode)
 
 
 def run(args: argparse.Namespace, emit: Callable[..., None] = print) -> int:
@@ -147,6 +152,7 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
     demo when asked, serve until SIGINT/SIGTERM, stop everything."""
     cluster = Cluster(spec)
     stop = asyncio.Event()
+    desk: LauncherScaleDesk | None = None  # the planner's scale requests (--planner --planner-max-*)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -155,6 +161,9 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
              f"{spec.prefill} prefill, {spec.decode} decode "
               f"(logs in {cluster.log_dir}) ...", flush=True)
         await cluster.start()
+        if cluster.scales:
+            desk = LauncherScaleDesk(cluster, {"prefill": spec.planner_max_prefill, "decode": spec.planner_max_decode})
+            await desk.start()
         emit(banner(cluster), flush=True)
         if args.demo:
             emit(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
@@ -163,6 +172,8 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
             emit("serving; Ctrl-C stops everything", flush=True)
             await stop.wait()
     finally:
+        if desk is not None:
+            await desk.close()
         await asyncio.to_thread(cluster.stop)
         emit("stopped", flush=True)
     return 0

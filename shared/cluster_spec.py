@@ -57,6 +57,8 @@ class ClusterSpec:
     passwords: dict[str, str] = field(default_factory=dict, repr=False)  # auth: every node's same; {} = fresh
     switchable: bool = False  # prefill and decode workers can switch role (``services/switchable``; P:D planner)
     planner: bool = False  # the router runs the online P:D planner (``--planner``)
+    planner_max_prefill: int = 0  # > 0: the planner may ask this launcher for workers up to these counts
+    planner_max_decode: int = 0
 
     temp_tier_dir: bool = False  # set when cache_tier_dir was created here: ``Cluster.stop`` removes it
 

@@ -134,7 +134,7 @@ class RouterConfig:
     planner_interval_s: float = 1.0
     planner_cooldown_s: float = 30.0  # between two decisions
     planner_dwell_s: float = 120.0  # a worker that switched role keeps it this long
-    planner_scaler: str = "none"  # where no worker can switch: none | kubernetes (the Deployments' scale)
+    planner_scaler: str = "none"  # where no worker can switch: none | kubernetes (Deployments) | launcher (up)
     planner_max_prefill: int = 0  # scaling bounds (0 = that role is not scaled up)
     planner_max_decode: int = 0
 
@@ -152,7 +152,7 @@ class RouterConfig:
                 or self.tenant_max_inflight < 0 or self.dispatch_window < -1
                 or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0
                 or self.migrate_skew_min < 0 or self.migrate_skew_ratio < 1 or self.migrate_tpot_slo_s < 0
-                or self.planner_interval_s <= 0 or self.planner_scaler not in ("none", "kubernetes")):
+                or self.planner_interval_s <= 0 or self.planner_scaler not in ("none", "kubernetes", "launcher")):
             raise ValueError("invalid router config")
         parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:

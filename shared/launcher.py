@@ -246,7 +246,14 @@ class Cluster:
                 "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
                 *(["--model", s.model] if s.model else []),
                 *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
-                *(["--planner", "true"] if s.planner else [])]
+                *(["--planner", "true"] if s.planner else []),
+                *(["--planner-scaler", "launcher", "--planner-max-prefill", str(s.planner_max_prefill),
+                   "--planner-max-decode", str(s.planner_max_decode)] if self.scales else [])]
+
+    @property
+    def scales(self) -> bool:
+        """Whether the router's planner asks this launcher for workers (``shared/launcher_scale.py``)."""
+        return self.spec.planner and max(self.spec.planner_max_prefill, self.spec.planner_max_decode) > 0
 
     async def wait_healthy(self, names: list[str], timeout: float) -> None:
         nc = await self.connect_as(nats_auth.MONITOR, "launcher")  # may subscribe to heartbeats, nothing more

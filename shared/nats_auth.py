@@ -153,7 +153,7 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         clients = ["client", *(tenant_user(t) for t in tenants)]
         return _service(user,
                         publish=(S.PREFILL_ALL, S.DECODE_ALL, S.WORK_CANCEL, S.ctl_all("kv_snapshot"),
-                                 S.ctl_all("probe"), S.ctl_all("migrate"), S.ctl_all("role"),
+                                 S.ctl_all("probe"), S.ctl_all("migrate"), S.ctl_all("role"), S.launcher_scale(),
                                  *(S.inbox_all(c) for c in clients)),
                         subscribe=(S.GENERATE, S.GENERATE_TENANTS, S.CANCEL, S.CANCEL_TENANTS, S.HELD,
                                    S.HELD_TENANTS, S.LOAD_ALL, S.KV_EVENTS, S.ctl_all("migrate")))
@@ -186,8 +186,9 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         tenant = _check_name(user[len(TENANT_PREFIX):], "tenant")
         return Permissions(publish=(S.generate_as(tenant), S.cancel_as(tenant), S.held_as(tenant)),
                            subscribe=_own_inbox(user))
-    if user == MONITOR:
-        return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)))
+    if user == MONITOR:  # reads heartbeats and stats; ``deepinfer up`` (as monitor) takes the planner's scale asks
+        return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, S.launcher_scale(),
+                                                                     *_own_inbox(user)), allow_responses=True)
     raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r} or "
                      f"{TENANT_PREFIX}<tenant>")
 

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_tokens, _require
 from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES, ROLES, KVEvent, KVSnapshot,
-                                     LoadReport, MigrateRequest, RequestProbe, RoleSwitch, WorkerInfo)
+                                     LoadReport, MigrateRequest, RequestProbe, RoleSwitch, ScaleRequest,
+                                     WorkerInfo)
 from shared.protocol_work import (DTYPES, MAX_PROMPT_TOKENS, DecodeLocalRequest, KVHandoff, KVPrecopy,
                                   PrefillRequest, Sampling)
 from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
@@ -37,7 +38,7 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk",
            "CancelRequest", "PrefillRequest", "KVHandoff", "KVPrecopy", "DecodeLocalRequest", "RequestProbe",
-           "MigrateRequest", "RoleSwitch", "Ack", "ErrorReply",
+           "MigrateRequest", "RoleSwitch", "ScaleRequest", "Ack", "ErrorReply",
            "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
            "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply", "DraftRequest",
            "DraftReply", "DTYPES", "MAX_PROMPT_TOKENS"]

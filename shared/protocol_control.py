@@ -107,6 +107,18 @@ class RoleSwitch(WireModel):
 
 
 @wire_message(MAX_CONTROL_BYTES)
+class ScaleRequest(WireModel):
+    """Router (its P:D planner) -> ``deepinfer up`` on ``subjects.launcher_scale()``: ``delta`` workers of ``role``
+    more (1) or fewer (-1). The reply is an ``Ack`` whose ``detail`` is the role's new worker count."""
+    role: str
+    delta: int
+
+    def _check(self) -> None:
+        _check_one_of("role", self.role, ("prefill", "decode"))
+        _require(self.delta in (-1, 1), f"field 'delta': must be -1 or 1, got {self.delta!r}")
+
+
+@wire_message(MAX_CONTROL_BYTES)
 class WorkerInfo(WireModel):
     """Registry entry, stored under ``worker_id`` in the ``subjects.REGISTRY_BUCKET`` KV bucket."""
     worker_id: str

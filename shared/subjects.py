@@ -220,6 +220,14 @@ def cache_put_writer(subject: str) -> str:
     return _named(subject, f"{PREFIX}.cache.put", 2, "cache put")[1]
 
 
+LAUNCHER = "launcher"  # ``deepinfer up``'s own process, as a control-plane service
+
+
+def launcher_scale() -> str:
+    """Where the router's P:D planner asks ``deepinfer up`` for a worker more or less (``ScaleRequest``)."""
+    return ctl(LAUNCHER, "scale")
+
+
 def stats(service: str) -> str:
     """Where any service answers a ``StatsRequest`` with its ``StatsReply`` (``deepinfer status``)."""
     return ctl(service, "stats")

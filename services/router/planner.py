@@ -5,7 +5,7 @@ planner policy (``shared/sched/pd_planner.Planner``, the one the simulator runs)
   worker drains (its decode streams live-migrate away: the router's ``Migrator`` moves a draining worker's
   streams) and answers once it serves the new role; the heartbeats then show it in its new role.
 - ``scale``: the ``Scaler`` (``services/router/scaler.py``: the Kubernetes scale subresource of the role's
-  Deployment) changes the role's replica count.
+  Deployment, or ``deepinfer up``'s launcher) changes the role's worker count.
 
 Invariants: one planner per cluster decides: the router whose id sorts first among the live routers (the others'
 planners watch but do not act, so two routers never double a decision); at most one decision is carried out at
@@ -61,7 +61,7 @@ class RouterPlanner:
                             max_decode=config.planner_max_decode)
         from services.router.scaler import make_scaler
         scaler = make_scaler(config.planner_scaler, min_replicas={"prefill": cfg.min_prefill, "decode": cfg.min_decode},
-                             max_replicas={"prefill": cfg.max_prefill, "decode": cfg.max_decode})
+                             max_replicas={"prefill": cfg.max_prefill, "decode": cfg.max_decode}, nc=nc)
         return cls(nc, table, Planner(cfg, cost), config.worker_id, registry, config.planner_interval_s,
                    max(90.0, config.drain_grace_s * 2 + 30.0), scaler, spawn)
 

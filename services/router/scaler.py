@@ -207,13 +207,38 @@ class KubernetesScaler(Scaler):
         return replicas, str((scale.get("metadata") or {}).get("resourceVersion", ""))
 
 
+class LauncherScaler(Scaler):
+    """``deepinfer up``'s processes: a ``ScaleRequest`` on ``subjects.launcher_scale()`` to the launcher, which
+    starts a worker (or drains its newest one of the role) within its own bounds (``shared/launcher_scale.py``)
+    and answers with the role's new count. No answer within ``timeout_s`` (no launcher: an external
+    deployment): ``UNAVAILABLE``."""
+
+    def __init__(self, nc, timeout_s: float = 5.0) -> None:
+        self.nc, self.timeout_s = nc, timeout_s
+
+    async def scale(self, role: str, delta: int) -> int:
+        from shared import protocol, subjects
+        order = protocol.ScaleRequest(role=role, delta=delta)   # INVALID_REQUEST for a bad role or delta
+        try:
+            reply = await self.nc.request(subjects.launcher_scale(), protocol.encode(order), timeout=self.timeout_s)
+        except Exception as err:  # no responders, timeout, connection loss
+            raise _unavailable(f"no launcher answered the scale request: {err!r}") from None
+        return int(protocol.decode_reply(reply.data, protocol.Ack).detail)
+
+    async def close(self) -> None:
+        return None
+
+
 def make_scaler(kind: str, *, timeout_s: float = 5.0, min_replicas: Mapping[str, int] | None = None,
-                max_replicas: Mapping[str, int] | None = None) -> Scaler | None:
+                max_replicas: Mapping[str, int] | None = None, nc=None) -> Scaler | None:
     """The scaler ``--planner-scaler`` names: ``none`` -> None (the planner only switches roles),
     ``kubernetes`` -> ``KubernetesScaler.in_cluster`` (the pod's service account, Deployments ``prefill`` and
-    ``decode`` of its own namespace). Any other kind is ``INVALID_REQUEST``: no scaler of that kind lives here."""
+    ``decode`` of its own namespace), ``launcher`` -> ``LauncherScaler`` over ``nc`` (``deepinfer up``). Any other
+    kind is ``INVALID_REQUEST``."""
     if kind == "none":
         return None
     if kind == "kubernetes":
         return KubernetesScaler.in_cluster(timeout_s=timeout_s, min_replicas=min_replicas, max_replicas=max_replicas)
-    raise invalid(f"no scaler of kind {kind!r} in services/router/scaler.py (known: none, kubernetes)")
+    if kind == "launcher":
+        return LauncherScaler(nc, timeout_s)
+    raise invalid(f"no scaler of kind {kind!r} in services/router/scaler.py (known: none, kubernetes, launcher)")

@@ -34,7 +34,8 @@ SPOOFS = {  # user -> subjects it must not publish on
               subjects.load("d", "decode"), subjects.load("r", "router")],
     "cache-tier": [subjects.decode("d"), subjects.prefill("p"), "_INBOX.router.x", subjects.cache_put("c", "w"),
                    subjects.load("d", "decode"), subjects.load("p", "prefill")],
-    "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.kv_events("d")],
+    "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.kv_events("d"),
+                subjects.launcher_scale()],
     "router": [subjects.kv_events("r"), subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
@@ -268,6 +269,7 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("worker.worker-0", "decode.decode-0", subjects.decode("decode-0"), True),   # its hand-off as a prefill worker
     ("decode.decode-0", "worker.worker-0", subjects.kv_pull("worker-0", "t9"), True),
     ("worker.worker-0", "cache-tier.cache-0", subjects.cache_put("cache-0", "worker-0"), True),
+    ("router.router", "monitor", subjects.launcher_scale(), True),   # the planner asks `deepinfer up` to scale
 ]
 
 

@@ -31,8 +31,9 @@ def test_clients_publish_only_the_client_api_and_hear_only_their_inbox():
     assert permissions("client-acme") == Permissions(
         publish=(subjects.generate_as("acme"), subjects.cancel_as("acme"), subjects.held_as("acme")),
         subscribe=("_INBOX.client-acme.>",))
-    assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),
-                                               subscribe=(subjects.LOAD_ALL, "_INBOX.monitor.>"))
+    assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),  # `deepinfer up` answers scale asks
+                                               subscribe=(subjects.LOAD_ALL, subjects.launcher_scale(),
+                                                          "_INBOX.monitor.>"), allow_responses=True)
 
 
 def test_only_the_owning_roles_publish_control_traffic():
@@ -73,7 +74,9 @@ def test_subscriptions_follow_the_services():
     for op in subjects.CACHE_OPS:
         assert subscribers(subjects.cache_all(op)) == {"cache-tier"}
     assert subscribers(subjects.ctl_all("stats")) == set(SERVICES)
-    assert {u for u in ALL_USERS if permissions(u, TENANTS).allow_responses} == set(SERVICES)
+    assert {u for u in ALL_USERS if permissions(u, TENANTS).allow_responses} == {*SERVICES, MONITOR}
+    assert subscribers(subjects.launcher_scale()) == {MONITOR}      # the launcher, as the read-only monitor
+    assert {u for u in ALL_USERS if subjects.launcher_scale() in permissions(u, TENANTS).publish} == {"router"}
 
 
 def test_every_user_hears_no_inbox_but_its_own_and_no_full_wildcard():

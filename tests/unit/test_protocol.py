@@ -38,6 +38,7 @@ SAMPLES = {
     "RequestProbe": p.RequestProbe(request_id="r1~0"),
     "MigrateRequest": p.MigrateRequest(request_id="r1~0", target="decode-1", transport="stream"),
     "RoleSwitch": p.RoleSwitch(role="prefill"),
+    "ScaleRequest": p.ScaleRequest(role="decode", delta=-1),
     "KVPrecopy": p.KVPrecopy(request_id="r1~0", token_ids=list(range(40)), cache_salt="", num_blocks=2,
                              block_shape=[2, 2, 16, 4, 8], dtype="float32", transport="shm",
                              handle={"segment": "x"}, model_fingerprint="0" * 32),
@@ -121,6 +122,9 @@ def test_a_role_switch_names_a_worker_role():
         assert info.value.code is ErrorCode.INVALID_REQUEST
     with pytest.raises(DeepinferError):
         p.decode(body(SAMPLES["LoadReport"], step_ms=-1.0))
+    for bad in ({"delta": 2}, {"delta": 0}, {"role": "router"}):
+        with pytest.raises(DeepinferError):
+            p.decode(body(SAMPLES["ScaleRequest"], **bad))
 
 
 def test_int_accepted_for_float_and_stored_as_float():

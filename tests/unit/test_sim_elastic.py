@@ -100,11 +100,13 @@ def test_planner_follows_the_shift_and_back(elastic_run):
     back = [d for d in decisions
             if d["kind"] == "switch" and d["role"] == "decode" and d["t_s"] > during_agent[0]["t_s"]]
     assert back and back[0]["decode_pressure"] >= PLANNER.high, decisions
-    # every switch completed (its drain ended), in time order, never closer than the cooldown
-    times = [d["t_s"] for d in decisions]
+    # every switch completed (its drain ended), in time order; a reversal never closer than the cooldown, more
+    # of the same never closer than a third of it
     assert all(d["done_s"] is not None and d["done_s"] >= d["t_s"] for d in decisions)
-    assert all(b - a >= PLANNER.cooldown_s for a, b in zip(times, times[1:]))
-    assert len(decisions) <= elastic_run["makespan_s"] / PLANNER.cooldown_s + 1
+    for a, b in zip(decisions, decisions[1:]):
+        assert b["t_s"] - a["t_s"] >= PLANNER.cooldown_s / (3 if a["role"] == b["role"] else 1)
+    reversals = sum(a["role"] != b["role"] for a, b in zip(decisions, decisions[1:]))
+    assert reversals <= elastic_run["makespan_s"] / PLANNER.cooldown_s + 1
     counts = elastic_run["planner"]["counts"]
     assert sum(counts.values()) == len(decisions)
     net = len(to_prefill) - sum(d["role"] == "decode" for d in decisions)

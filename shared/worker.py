@@ -93,7 +93,7 @@ class Worker(Service):
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
                                    c.tier_write_queue)
             await self.tier.start()
-            await self.tier.warm_staging(engine.kv_cache[0].numel() * engine.kv_cache.element_size())
+            await self.tier.warm_staging(engine.kv_block_bytes)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)
@@ -174,7 +174,7 @@ class Worker(Service):
             return None
         eng = self.engine
         first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
-        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, list(eng.kv_cache.shape[1:]),
+        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_block_shape,
                                     str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention)
 
     def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
@@ -197,10 +197,19 @@ class Worker(Service):
         eng = self.engine
         try:
             ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
-            await self.tier.write_back(eng.kv_cache, ids, hashes, tokens, eng.config.block_size, cache_salt,
+            cache, staged = await self.kv_source(request_id, ids)
+            await self.tier.write_back(cache, staged, hashes, tokens, eng.config.block_size, cache_salt,
                                        retention)
         except DeepinferError as err:   # not held (aborted, failed): nothing to write
             logger.debug("[%s] no write-back: %s", request_id, err)
+
+    async def kv_source(self, request_id: str, ids: list[int]):
+        """``(cache, ids)`` a transport stages the held request's blocks ``ids`` from: the cache itself (no engine
+        round trip: held blocks do not change), or with KV groups a copy gathered on the engine thread."""
+        eng = self.engine
+        if not eng.has_kv_groups:
+            return eng.kv_cache, list(ids)
+        return await self.aengine.call(lambda: eng.kv_source(request_id, ids))
 
     async def track(self, request_id: str, reply_to: str, router_id: str = "", router_instance: str = "") -> None:
         """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched). Raises

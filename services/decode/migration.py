@@ -101,12 +101,13 @@ class MigrationDesk:
             return 0
         transport, tid = w.transports[order.transport], f"{rid}-pre"
         try:
-            handle = await transport.stage_blocks(eng.kv_cache, ids, tid)
+            cache, staged = await w.kv_source(rid, ids)
+            handle = await transport.stage_blocks(cache, staged, tid)
             try:
                 if not await w.aengine.call(lambda: eng.holds_blocks(rid, ids)):
                     return 0  # preempted while copying: the staged bytes may not be its KV
                 msg = protocol.KVPrecopy(request_id=rid, token_ids=tokens, cache_salt=salt,
-                                         num_blocks=len(ids), block_shape=list(eng.kv_cache.shape[1:]),
+                                         num_blocks=len(ids), block_shape=eng.kv_block_shape,
                                          dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                                          transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(msg),
@@ -151,13 +152,14 @@ class MigrationDesk:
         t0 = time.perf_counter()
         first = order.precopied
         try:
-            handle = await transport.stage_blocks(eng.kv_cache, moved.block_ids[first:], tid)
+            cache, staged = await w.kv_source(rid, moved.block_ids[first:])
+            handle = await transport.stage_blocks(cache, staged, tid)
             try:
                 handoff = protocol.KVHandoff(
                     request_id=rid, prompt_token_ids=moved.prompt_token_ids,
                     prior_output_ids=moved.output_token_ids[:-1], first_token=moved.output_token_ids[-1],
                     sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt,
-                    num_blocks=len(moved.block_ids) - first, block_shape=list(eng.kv_cache.shape[1:]),
+                    num_blocks=len(moved.block_ids) - first, block_shape=eng.kv_block_shape,
                     dtype=str(eng.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
                     num_cached_tokens=min(extra.get("cached_tokens", moved.num_cached_tokens),
                                           len(moved.prompt_token_ids)),

@@ -86,12 +86,13 @@ class PrefillService(Worker):
         transport = self.transports[req.transport]
         t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
-        handle = await transport.stage_blocks(eng.kv_cache, ids, rid)  # gathers straight into staging
+        cache, staged = await self.kv_source(rid, ids)  # the cache itself, or a copy (KV groups)
+        handle = await transport.stage_blocks(cache, staged, rid)  # gathers straight into staging
         try:
             handoff = protocol.KVHandoff(
                 request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=final.new_token_ids[0],
                 sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
-                block_shape=list(eng.kv_cache.shape[1:]), dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
+                block_shape=eng.kv_block_shape, dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
                 retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,

@@ -12,6 +12,10 @@ Invariants:
   confused, the later one just is not cached (``shared/kv/block_hash.py``). Reusing a hashed free block drops
   its hash.
 - ``allocate_slots`` returns ``None`` (caller must preempt or wait) and changes nothing when out of room.
+- With ``reserve_null`` (the sliding-window pool of ``shared/engine/hybrid_kv.py``), block 0 is the null block:
+  never allocated, never freed, never cached. A block-table slot holding it names a block whose KV was released
+  (``release``: no query can see it any more) or never written (an import skipped it); attention's window mask
+  never reads such a slot. ``usage`` and ``num_free_blocks`` count the other ``num_blocks - 1`` blocks.
 """
 from __future__ import annotations
 
@@ -41,14 +45,15 @@ def block_key(request: Request, index: int) -> BlockKey:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 event_sink: Callable[[str, list[int]], None] | None = None) -> None:
+                 event_sink: Callable[[str, list[int]], None] | None = None, reserve_null: bool = False) -> None:
         """``event_sink(kind, hashes)`` hears every change of the prefix cache: "stored" when blocks are
         published, "removed" when evicted, "cleared" on reset (workers forward these as KV events)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.null = 0 if reserve_null else -1  # the null block's id, or -1: none
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != self.null)
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # request id -> how many of its blocks are hashed
@@ -63,7 +68,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - len(self.free_queue) / (self.num_blocks - (self.null >= 0))
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
@@ -76,31 +81,59 @@ class BlockManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for i, h in enumerate(request.block_hashes[:max_blocks]):
-            bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].key != block_key(request, i):
-                break
-            hits.append(bid)
+        hits = self.lookup(request, (request.num_tokens - 1) // self.block_size)
         self.num_query_tokens += request.num_tokens
         self.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def cached_block(self, request: Request, index: int) -> int | None:
+        """The cached block holding the request's ``index``-th full block (key confirmed), or None."""
+        bid = self.cached.get(request.block_hashes[index])
+        return bid if bid is not None and self.blocks[bid].key == block_key(request, index) else None
+
+    def lookup(self, request: Request, max_blocks: int) -> list[int]:
+        """The cached blocks of the request's leading full blocks, at most ``max_blocks`` (read-only)."""
+        hits: list[int] = []
+        for i in range(min(max_blocks, len(request.block_hashes))):
+            bid = self.cached_block(request, i)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def can_allocate(self, request: Request, total: int, computed_blocks=(), skip_before: int = 0) -> bool:
+        """Whether ``allocate_slots`` would find room for the request to hold ``total`` tokens (see there)."""
+        held = self.req_to_blocks.get(request.request_id, [])
+        first_new = len(held) + len(computed_blocks)
+        need = max(0, -(-total // self.block_size) - max(first_new, skip_before))
+        touched = sum(1 for b in computed_blocks if b != self.null and self.blocks[b].ref_cnt == 0)
+        freed = sum(1 for b in held[:skip_before] if b != self.null and self.blocks[b].ref_cnt == 1)
+        return need <= len(self.free_queue) - touched + freed
+
+    def has_room(self, request: Request, total: int) -> bool:
+        """Whether the request could grow to ``total`` tokens now."""
+        return self.can_allocate(request, total)
+
     # -- mutations -------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | tuple[int, ...] = ()) -> list[int] | None:
+                       computed_blocks: list[int] | tuple[int, ...] = (), skip_before: int = 0) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` plus the
         ``computed_blocks`` prefix hit. Returns the newly allocated block ids, or ``None`` if there is no
-        room (nothing changed)."""
+        room (nothing changed). ``skip_before`` (null-block pools only): the request's blocks before that index
+        are never read again: held ones are released first, new ones get the null block."""
         held = self.req_to_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
-        num_touched_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        if num_needed > len(self.free_queue) - num_touched_free:
+        if not self.can_allocate(request, total, computed_blocks, skip_before):
             return None
+        assert skip_before == 0 or self.null >= 0, "skip_before needs a null block"
+        if skip_before:
+            self.release(request.request_id, skip_before)
+        num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
         held = self.req_to_blocks.setdefault(request.request_id, held)
         for bid in computed_blocks:
+            if bid == self.null:
+                held.append(bid)
+                continue
             block = self.blocks[bid]
             if block.ref_cnt == 0:
                 del self.free_queue[bid]
@@ -109,7 +142,10 @@ class BlockManager:
         if computed_blocks:
             self.num_registered[request.request_id] = len(held)
         new_ids = []
-        for _ in range(max(num_needed, 0)):
+        for index in range(len(held), len(held) + max(num_needed, 0)):
+            if index < skip_before:
+                held.append(self.null)
+                continue
             bid, _ = self.free_queue.popitem(last=False)
             block = self.blocks[bid]
             if block.block_hash is not None:  # evict: the cached content is being overwritten
@@ -120,7 +156,7 @@ class BlockManager:
                 block.block_hash, block.key = None, None
             block.ref_cnt = 1
             new_ids.append(bid)
-        held.extend(new_ids)
+            held.append(bid)
         if self.enable_caching:
             self._register_full_blocks(request, total // self.block_size)
         return new_ids
@@ -133,6 +169,8 @@ class BlockManager:
         num_full = min(num_full, len(request.block_hashes))
         stored = []
         for i in range(start, num_full):
+            if held[i] == self.null:
+                continue
             h, block = request.block_hashes[i], self.blocks[held[i]]
             if h not in self.cached:
                 self.cached[h] = block.block_id
@@ -144,13 +182,7 @@ class BlockManager:
 
     def cached_prefix(self, request: Request) -> int:
         """How many leading full blocks of ``request`` the prefix cache holds now (read-only: no stats)."""
-        n = 0
-        for i, h in enumerate(request.block_hashes):
-            bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].key != block_key(request, i):
-                break
-            n += 1
-        return n
+        return len(self.lookup(request, len(request.block_hashes)))
 
     def import_cached(self, request: Request, first: int, count: int) -> list[int]:
         """Make room for blocks ``[first, first + count)`` of ``request`` computed elsewhere (the cache tier)
@@ -196,12 +228,25 @@ class BlockManager:
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_registered.pop(request_id, None)
         for bid in reversed(blocks):
-            block = self.blocks[bid]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[bid] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(bid, last=False)
+            if bid != self.null:
+                self._unref(bid)
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[bid] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(bid, last=False)
+
+    def release(self, request_id: str, num_blocks: int) -> None:
+        """Null-block pools: point the request's table slots ``[0, num_blocks)`` at the null block and free what
+        they held (no query of the request can see those tokens any more). Hashed blocks stay cached."""
+        held = self.req_to_blocks.get(request_id, [])
+        for i in range(min(num_blocks, len(held))):
+            if held[i] != self.null:
+                self._unref(held[i])
+                held[i] = self.null
 
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks among its first ``num_tokens`` tokens (KV computed, tokens

@@ -14,7 +14,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class EngineConfig:
     """``num_kv_blocks`` fixes the KV pool size; when ``None`` it is derived from ``kv_cache_bytes``.
     ``max_model_len`` ``None`` means the model's context length. ``num_threads`` ``None`` means the
-    number of CPUs this process may run on (never more: oversubscription is ~10x slower)."""
+    number of CPUs this process may run on (never more: oversubscription is ~10x slower).
+
+    ``swa_kv``: a model with sliding-window layers keeps their KV in a second pool holding only what the window
+    can see (``shared/engine/hybrid_kv.py``); a model without windows is unaffected. Pool sizes: with
+    ``num_kv_blocks`` the full pool has that many blocks and the window pool ``num_window_kv_blocks`` (default:
+    as many); otherwise ``kv_cache_bytes`` is split by ``hybrid_kv.pool_sizes`` for sequences of
+    ``swa_kv_context`` tokens (default ``max_model_len``)."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -28,12 +34,18 @@ class EngineConfig:
     num_threads: int | None = None
     decode_graphs: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU; off; eager (padded path, no capture)
     decode_graph_max_batch: int = 64  # largest decode batch replayed from a graph (larger ones run eagerly)
+    swa_kv: bool = True
+    num_window_kv_blocks: int | None = None
+    swa_kv_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
+        if (self.num_window_kv_blocks is not None and self.num_window_kv_blocks <= 0) or \
+                (self.swa_kv_context is not None and self.swa_kv_context <= 0):
+            raise ValueError("num_window_kv_blocks and swa_kv_context must be positive")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.dtype != "auto" and self.dtype not in DTYPES:

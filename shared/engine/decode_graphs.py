@@ -12,6 +12,8 @@ Invariants:
     Padding rows therefore never touch another sequence's cache, and their logits are dropped.
   * Inputs live in static buffers sized for the largest bucket; a replay reads them where the capture did.
     Block tables are ``max_blocks`` wide (the model's context length in blocks), so any sequence fits.
+  * With KV groups (``shared/engine/hybrid_kv.py``) every group has its own slot and table buffers; padding
+    rows read block 0 of each group (the window group's null block) and write nothing.
   * ``capture=False`` runs the very same padded, static-buffer forward pass eagerly: the path the CPU tests
     check token for token, and the fallback when a capture fails.
 """
@@ -35,15 +37,17 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, max_blocks: int,
-                 max_batch: int, capture: bool) -> None:
+                 max_batch: int, capture: bool, num_groups: int = 1) -> None:
         self.model, self.kv_cache, self.block_size, self.max_blocks = model, kv_cache, block_size, max_blocks
         self.sizes = buckets(max_batch)
         self.capture = capture
         dev, top = model.device, self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)  # [top]
         self.positions = torch.zeros(top, dtype=torch.long, device=dev)  # [top]
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)  # [top]
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)  # [top, max_blocks]
+        self.slots = [torch.full((top,), -1, dtype=torch.long, device=dev)  # [top] per KV group
+                      for _ in range(num_groups)]
+        self.tables = [torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)  # [top, max_blocks] per group
+                       for _ in range(num_groups)]
         self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)  # [top]
         self.rows = torch.arange(top, dtype=torch.long, device=dev)  # [top]: every row's logits
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -61,9 +65,10 @@ class DecodeGraphs:
         return next((b for b in self.sizes if b >= n), None)
 
     def _forward(self, b: int) -> torch.Tensor:  # [b, V]
-        meta = AttentionMetadata(slot_mapping=self.slots[:b], num_decode=b, decode_block_tables=self.tables[:b],
-                                 decode_context_lens=self.context_lens[:b], prefills=[],
-                                 block_size=self.block_size)
+        metas = [AttentionMetadata(slot_mapping=slots[:b], num_decode=b, decode_block_tables=tables[:b],
+                                   decode_context_lens=self.context_lens[:b], prefills=[], block_size=self.block_size)
+                 for slots, tables in zip(self.slots, self.tables)]
+        meta = metas[0] if len(metas) == 1 else metas
         return self.model.forward(self.input_ids[:b], self.positions[:b], meta, self.kv_cache, self.rows[:b])
 
     def capture_all(self) -> None:
@@ -89,23 +94,24 @@ class DecodeGraphs:
         else:
             logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: list[torch.Tensor],
+            tables: list[torch.Tensor], context_lens: torch.Tensor) -> torch.Tensor:
         """One decode step of ``n = len(input_ids)`` rows (``n <= max_batch``) → logits ``[n, V]``.
 
-        ``tables: [n, w]`` int32 with ``w <= max_blocks``; the other inputs ``[n]``. The returned logits are
-        the bucket's output buffer: read them before the next call."""
-        n, w = len(input_ids), tables.shape[1]
+        Per KV group: ``tables[g]: [n, w]`` int32 with ``w <= max_blocks`` and ``slots[g]: [n]``; the other
+        inputs ``[n]``. The returned logits are the bucket's output buffer: read them before the next call."""
+        n = len(input_ids)
         b = self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.tables[:n, :w].copy_(tables)
+        for buf, table_buf, src, table in zip(self.slots, self.tables, slots, tables):
+            buf[:n].copy_(src)
+            table_buf[:n, :table.shape[1]].copy_(table)
+            buf[n:b].fill_(-1)
+            table_buf[n:b].zero_()
         self.context_lens[:n].copy_(context_lens)
         self.input_ids[n:b].zero_()
         self.positions[n:b].zero_()
-        self.slots[n:b].fill_(-1)
-        self.tables[n:b].zero_()
         self.context_lens[n:b].fill_(1)
         graph = self._graphs.get(b)
         if graph is None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.engine import kv_io
 from shared.engine.migration import check_import, import_running
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
@@ -42,13 +43,12 @@ def prompt_block_ids(engine: LLMEngine, request_id: str) -> list[int]:
 
 def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
     """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
-    ids = prompt_block_ids(engine, request_id)
-    return engine.kv_cache[torch.tensor(ids, dtype=torch.long, device=engine.model.device)]
+    return kv_io.gather(engine, request_id, prompt_block_ids(engine, request_id))
 
 
 def block_shape(engine: LLMEngine) -> list[int]:
-    """Shape of one KV block: ``[L, 2, kvh, block_size, D]``."""
-    return list(engine.kv_cache.shape[1:])
+    """Shape of one KV block: ``[L, 2, kvh, block_size, D]`` (the logical block, with or without KV groups)."""
+    return kv_io.block_shape(engine)
 
 
 def check_model(engine: LLMEngine, model_fingerprint: str, what: str, allow_any: bool = False) -> None:

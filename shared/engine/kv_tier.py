@@ -23,6 +23,7 @@ from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import BlockChain
+from shared.model.kv_cache import KVGroups
 
 if TYPE_CHECKING:
     from shared.engine.llm_engine import LLMEngine
@@ -55,7 +56,7 @@ def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_sal
                        kv: torch.Tensor) -> int:
     """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt) in the prefix cache;
     returns how many were imported (fewer when the pool has no free room; 0 with prefix caching off)."""
-    want = [-1, *engine.kv_cache.shape[1:]]
+    want = [-1, *engine.kv_block_shape]
     if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != engine.kv_cache.dtype:
         raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "
                              f"this engine's blocks {want[1:]} {engine.kv_cache.dtype}")
@@ -63,7 +64,16 @@ def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_sal
         return 0
     req = scratch_request(engine, prompt_token_ids, cache_salt)
     count = min(int(kv.shape[0]), reusable_blocks(engine, prompt_token_ids) - first)
-    ids = engine.block_manager.import_cached(req, first, count)
+    bm, groups = engine.block_manager, engine.runner.kv_cache
+    if isinstance(groups, KVGroups):  # full rows where missing, window rows the resulting hit's window needs
+        full, window, n = bm.import_cached(req, first, count, groups.window_present(kv[:max(count, 0)]))
+        for pairs, part in ((full, 0), (window, 1)):
+            if pairs:
+                rows = torch.tensor([i - first for i, _ in pairs], dtype=torch.long, device=kv.device)
+                ids = [b for _, b in pairs]
+                groups.scatter(ids if part == 0 else [-1] * len(ids), ids if part else [0] * len(ids), kv[rows])
+        return max(0, n - first)
+    ids = bm.import_cached(req, first, count)
     if ids:
         cache = engine.kv_cache
         cache[torch.tensor(ids, dtype=torch.long, device=cache.device)] = kv[:len(ids)].to(cache)

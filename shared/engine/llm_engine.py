@@ -12,8 +12,7 @@ import time
 
 import torch
 
-from shared.engine import kv_handoff, kv_tier, migration
-from shared.engine.block_manager import BlockManager
+from shared.engine import kv_handoff, kv_io, kv_tier, migration
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import RequestOutput
@@ -33,12 +32,8 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            bytes_per_block = (mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim
-                               * model.embed.element_size())
-            num_blocks = max(1, config.kv_cache_bytes // bytes_per_block)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = kv_io.build_block_manager(model, config, self.max_model_len)  # 1 pool or 2 KV groups
+        num_blocks = self.block_manager.num_blocks
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.block_manager)
         if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and model.device.type == "cuda"):
@@ -54,9 +49,10 @@ class LLMEngine:
         self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
         # what determines this engine's KV (shared/model/fingerprint.py): in every block hash and hand-off
         self.fingerprint = model_fingerprint(model, tokenizer, config.block_size)
-        logger.info("engine ready: model=%s fingerprint=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
-                    "max_model_len=%d", mc.model_id, self.fingerprint, model.device, model.dtype, num_blocks,
-                    config.block_size, self.max_model_len)
+        logger.info("engine ready: model=%s fingerprint=%s device=%s dtype=%s kv_blocks=%d window_kv_blocks=%s "
+                    "block_size=%d max_model_len=%d", mc.model_id, self.fingerprint, model.device, model.dtype,
+                    num_blocks, getattr(self.block_manager, "num_window_blocks", None), config.block_size,
+                    self.max_model_len)
 
     @classmethod
     def from_path(cls, path=None, config: EngineConfig | None = None, progress=None) -> "LLMEngine":
@@ -85,7 +81,7 @@ class LLMEngine:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "
                                  f"the context window is {self.max_model_len}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if min(total, self.max_model_len) > capacity:
+        if min(total, self.max_model_len) > capacity or not kv_io.window_fits(self, min(total, self.max_model_len)):
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens exceeds "
                                  f"the KV cache capacity of {capacity} tokens")
 
@@ -115,8 +111,29 @@ class LLMEngine:
     # -- KV hand-off (prefill worker -> decode worker; see shared/engine/kv_handoff.py) ---------------
     @property
     def kv_cache(self) -> torch.Tensor:
-        """The paged KV cache ``[num_blocks, L, 2, kvh, block_size, D]`` (blocks named by block ids)."""
-        return self.runner.kv_cache
+        """The paged KV cache ``[num_blocks, L, 2, kvh, block_size, D]`` (blocks named by block ids); with KV
+        groups the full group's pool (its device and dtype are the engine's; stage blocks via ``kv_source``)."""
+        kv = self.runner.kv_cache
+        return kv if isinstance(kv, torch.Tensor) else kv.full
+
+    @property
+    def kv_block_shape(self) -> list[int]:
+        """The wire shape of one logical block: ``[L, 2, kvh, block_size, D]``."""
+        return kv_io.block_shape(self)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return kv_io.block_bytes(self)
+
+    def kv_source(self, request_id: str, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """``(cache, ids)`` to stage the request's ``block_ids`` from (engine thread; see shared/engine/kv_io.py)."""
+        return kv_io.source(self, request_id, block_ids)
+
+    @property
+    def has_kv_groups(self) -> bool:
+        """KV in two pools (SWA-aware): staging needs a gathered copy (``kv_source``), made on the engine thread;
+        without groups the held blocks are staged straight from the cache, from any thread."""
+        return not isinstance(self.runner.kv_cache, torch.Tensor)
 
     def prompt_block_ids(self, request_id: str) -> list[int]:
         return kv_handoff.prompt_block_ids(self, request_id)

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.engine import kv_io
+from shared.engine.hybrid_kv import HybridBlockManager
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
@@ -169,21 +171,19 @@ def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[in
             req.output_text += req.detokenizer.feed(token)
     with_kv = req.num_tokens - 1
     bm, sched = engine.block_manager, engine.scheduler
-    hits, num_cached = bm.get_computed_blocks(req)
-    hits = hits[:min(num_cached, with_kv) // bs]
+    groups = {"q0": with_kv} if isinstance(bm, HybridBlockManager) else {}  # window blocks: only what it will see
+    hits, _ = bm.get_computed_blocks(req, **groups)
     if len(hits) < first_block:
         raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{first_block} pre-copied blocks expected in the prefix "
                              f"cache, {len(hits)} found (evicted since)")
     engine.requests[request_id] = req
     new_ids = None
     if len(sched.running) < sched.max_num_seqs:
-        new_ids = bm.allocate_slots(req, with_kv - len(hits) * bs, hits)
+        new_ids = bm.allocate_slots(req, with_kv - len(hits) * bs, hits, **groups)
     if new_ids is None:
         sched.add(req)  # recompute locally when there is room; exact, just slower
         return False
-    kv_cache = engine.kv_cache
-    rows = torch.tensor(new_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache[rows] = kv[len(hits) - first_block:].to(kv_cache)   # the payload's blocks this cache lacks
+    kv_io.write(engine, request_id, len(hits), kv[len(hits) - first_block:])  # the payload's blocks this cache lacks
     req.num_computed_tokens = with_kv
     req.status = RequestStatus.RUNNING
     req.stats.first_scheduled_time = time.perf_counter()

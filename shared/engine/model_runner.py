@@ -16,6 +16,7 @@ from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.block_manager import BlockManager
+from shared.engine.hybrid_kv import HybridBlockManager
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
@@ -32,71 +33,87 @@ def _decode_like(s) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
+    def __init__(self, model: LlamaModel, block_manager: BlockManager | HybridBlockManager) -> None:
         self.model, self.bm = model, block_manager
         self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
-        # kv_cache: [num_blocks, L, 2, kvh, block_size, D] (see shared/model/kv_cache.py)
-        self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
-                                          model.dtype, model.device)
+        # kv_cache: [num_blocks, L, 2, kvh, block_size, D], or one pool per KV group (shared/model/kv_cache.py)
+        self.kv_cache: torch.Tensor | kv_cache.KVGroups
+        if isinstance(block_manager, HybridBlockManager):
+            self.kv_cache = kv_cache.KVGroups(block_manager.num_blocks, block_manager.num_window_blocks,
+                                              model.config, block_manager.block_size, model.dtype, model.device)
+            self.tables = [block_manager.block_ids, block_manager.window_block_ids]
+        else:
+            self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
+                                              model.dtype, model.device)
+            self.tables = [block_manager.block_ids]
         self._cascade = cascade_attention.available(model.device, model.dtype)
         self.graphs: DecodeGraphs | None = None
 
     def use_decode_graphs(self, max_blocks: int, max_batch: int, capture: bool) -> None:
         """Run pure decode steps of up to ``max_batch`` rows through ``DecodeGraphs`` (captured when
         ``capture``, else its padded path eagerly). Cascade attention is a per-step choice a graph cannot
-        replay: graph-eligible steps never use it."""
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.bm.block_size, max_blocks, max_batch, capture)
+        replay: graph-eligible steps never use it. With KV groups every group has its own slots and tables."""
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.bm.block_size, max_blocks, max_batch, capture,
+                                   num_groups=len(self.tables))
         self.graphs.capture_all()
 
     def _prepare(self, out: SchedulerOutput):
+        """Inputs of one step. Per KV group (one, or full + window: ``self.tables``), the rows' slots, decode
+        block tables and prefill chunk tables; ``meta`` is one ``AttentionMetadata`` or one per group."""
         bs, device = self.bm.block_size, self.model.device
         ordered = sorted(out.scheduled, key=lambda s: not _decode_like(s))  # stable: decodes first
+        ngroups = len(self.tables)
         ids: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_tables: list[list[int]] = []
+        slots: list[list[np.ndarray]] = [[] for _ in range(ngroups)]
+        decode_tables: list[list[list[int]]] = [[] for _ in range(ngroups)]
         decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        prefills: list[list[PrefillChunk]] = [[] for _ in range(ngroups)]
         logits_rows: list[int] = []
         sampled: list = []
         for s in ordered:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = self.bm.block_ids(req.request_id)
             pos = np.arange(start, start + n, dtype=np.int64)
             positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             row0 = len(ids)
             tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
             ids.extend(tokens[start:start + n])
-            if _decode_like(s):  # one decode row per token (a verification: row i sees positions <= start + i)
-                decode_tables.extend([table] * n)
+            decode = _decode_like(s)
+            if decode:  # one decode row per token (a verification: row i sees positions <= start + i)
                 decode_lens.extend(range(start + 1, start + n + 1))
-            else:
-                num_blocks = -(-(start + n) // bs)
-                prefills.append(PrefillChunk(row0, row0 + n, start + n,
-                                             torch.tensor(table[:num_blocks], dtype=torch.long, device=device)))
+            for g, table_of in enumerate(self.tables):
+                table = table_of(req.request_id)
+                slots[g].append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+                if decode:
+                    decode_tables[g].extend([table] * n)
+                else:
+                    num_blocks = -(-(start + n) // bs)
+                    prefills[g].append(PrefillChunk(row0, row0 + n, start + n, torch.tensor(
+                        table[:num_blocks], dtype=torch.long, device=device)))
             if s.samples:
                 k = len(req.spec_token_ids)
                 logits_rows.extend(range(row0 + n - 1 - k, row0 + n))
                 sampled.append(req)
-        width = max((len(t) for t in decode_tables), default=0)
-        tables = np.zeros((len(decode_tables), width), dtype=np.int32)
-        for i, t in enumerate(decode_tables):
-            tables[i, :len(t)] = t
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-            num_decode=len(decode_tables),
-            decode_block_tables=torch.from_numpy(tables).to(device),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-            prefills=prefills, block_size=bs,
-            decode_cascade=cascade_attention.find_shared_prefixes(tables, np.asarray(decode_lens), bs, device)
-            if self._cascade and self.graphs is None else None)
+        metas = []
+        for g in range(ngroups):
+            width = max((len(t) for t in decode_tables[g]), default=0)
+            tables = np.zeros((len(decode_tables[g]), width), dtype=np.int32)
+            for i, t in enumerate(decode_tables[g]):
+                tables[i, :len(t)] = t
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.from_numpy(np.concatenate(slots[g])).to(device),
+                num_decode=len(decode_tables[g]),
+                decode_block_tables=torch.from_numpy(tables).to(device),
+                decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+                prefills=prefills[g], block_size=bs,
+                decode_cascade=cascade_attention.find_shared_prefixes(tables, np.asarray(decode_lens), bs, device)
+                if self._cascade and self.graphs is None and g == 0 else None))
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return input_ids, pos_t, meta, rows, sampled
+        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled
 
     def _banned(self, req) -> tuple[int, ...]:
         """EOS and the request's stop ids while it has fewer than ``min_tokens`` output tokens."""
@@ -111,11 +128,13 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta, rows, sampled = self._prepare(out)
-        if (self.graphs is not None and not meta.prefills and len(rows) == meta.num_decode <= self.graphs.max_batch
-                and meta.decode_block_tables.shape[1] <= self.graphs.max_blocks):
+        m = meta[0] if isinstance(meta, list) else meta
+        if (self.graphs is not None and not m.prefills and len(rows) == m.num_decode <= self.graphs.max_batch
+                and m.decode_block_tables.shape[1] <= self.graphs.max_blocks):
             # pure decode (drafts being verified included): every row's logits, in row order
-            logits = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                     meta.decode_context_lens)
+            metas = meta if isinstance(meta, list) else [meta]
+            logits = self.graphs.run(input_ids, positions, [g.slot_mapping for g in metas],
+                                     [g.decode_block_tables for g in metas], m.decode_context_lens)
         else:
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
         if not sampled:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.hybrid_kv import HybridBlockManager
 from shared.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager | HybridBlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -83,8 +85,7 @@ class Scheduler:
         if req.spec_token_ids:
             keep = max(0, min(len(req.spec_token_ids), budget - pending))
             total = req.num_computed_tokens + pending + keep
-            need = -(-total // self.bm.block_size) - len(self.bm.block_ids(req.request_id))
-            if need > self.bm.num_free_blocks:
+            if not self.bm.has_room(req, total):
                 keep = 0
             req.spec_token_ids, req.spec_features = req.spec_token_ids[:keep], req.spec_features[:keep]
         return min(pending + len(req.spec_token_ids), budget)

@@ -26,3 +26,76 @@ def allocate(num_blocks: int, config: ModelConfig, block_size: int, dtype: torch
 def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (strided)."""
     return kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2)
+
+
+class KVGroups:
+    """SWA-aware KV (``shared/engine/hybrid_kv.py``): one pool per attention type.
+
+    ``full: [num_full_blocks, L_full, 2, kvh, block_size, D]`` holds the full-attention layers,
+    ``window: [num_window_blocks + 1, L_window, 2, kvh, block_size, D]`` the sliding-window layers; window block 0
+    is the null block (never written, stays zero). ``groups[layer] = (group, index in group)``, group 0 = full.
+    A logical block ``[L, 2, kvh, block_size, D]`` (the wire format) is one full row and one window row put back
+    in layer order; a released window row reads as zeros.
+    """
+
+    def __init__(self, num_full: int, num_window: int, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        windows = config.layer_sliding_windows
+        self.full_layers = [i for i, w in enumerate(windows) if w is None]
+        self.window_layers = [i for i, w in enumerate(windows) if w is not None]
+        shape = (2, config.num_kv_heads, block_size, config.head_dim)
+        self.full = torch.zeros(num_full, len(self.full_layers), *shape, dtype=dtype, device=device)
+        self.window = torch.zeros(num_window + 1, len(self.window_layers), *shape, dtype=dtype, device=device)
+        self.groups = [(0, self.full_layers.index(i)) if w is None else (1, self.window_layers.index(i))
+                       for i, w in enumerate(windows)]
+        self.block_shape = [config.num_layers, *shape]
+        self._fl = torch.tensor(self.full_layers, dtype=torch.long, device=device)
+        self._wl = torch.tensor(self.window_layers, dtype=torch.long, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.full.device
+
+    def gather(self, full_ids: list[int], window_ids: list[int]) -> torch.Tensor:
+        """``[n, L, 2, kvh, bs, D]``: logical blocks from one full and one window block each (0: zeros)."""
+        dev = self.full.device
+        out = torch.zeros(len(full_ids), *self.block_shape, dtype=self.full.dtype, device=dev)
+        out[:, self._fl] = self.full[torch.tensor(full_ids, dtype=torch.long, device=dev)]
+        wid = torch.tensor(window_ids, dtype=torch.long, device=dev)
+        rows = self.window[wid]  # [n, L_window, ...]: the null block's rows are zeros
+        out[:, self._wl] = rows
+        return out
+
+    def window_present(self, blocks: torch.Tensor) -> list[bool]:
+        """Per logical block of ``blocks: [n, L, ...]``: whether it carries window rows (a sender's released rows
+        are all zeros; a computed K row never is)."""
+        if not self.window_layers:
+            return [False] * len(blocks)
+        return blocks[:, self._wl.to(blocks.device)].flatten(1).ne(0).any(dim=1).tolist()
+
+    def scatter(self, full_ids: list[int], window_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write logical blocks ``blocks: [n, L, ...]``: row ``j``'s full layers into ``full_ids[j]`` and its
+        window layers into ``window_ids[j]``; an id of -1 (or the null block 0 for windows) skips that part."""
+        dev = self.full.device
+        blocks = blocks.to(device=dev, dtype=self.full.dtype)
+        f = [(j, b) for j, b in enumerate(full_ids) if b >= 0]
+        w = [(j, b) for j, b in enumerate(window_ids) if b > 0]
+        if f and self.full_layers:
+            rows, ids = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*f))
+            self.full[ids] = blocks[rows][:, self._fl]
+        if w and self.window_layers:
+            rows, ids = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*w))
+            self.window[ids] = blocks[rows][:, self._wl]
+
+
+def layer_view(kv: torch.Tensor | KVGroups, meta, layer: int):
+    """``(k, v, meta)`` for one layer: the single cache and ``meta``, or the layer's group's pool and
+    ``meta[group]`` (one ``AttentionMetadata`` per group)."""
+    if isinstance(kv, torch.Tensor):
+        return (*layer_kv(kv, layer), meta)
+    group, index = kv.groups[layer]
+    return (*layer_kv(kv.window if group else kv.full, index), meta[group])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels.layer_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from shared.model.attention import AttentionMetadata, attend
-from shared.model.kv_cache import layer_kv
+from shared.model.kv_cache import KVGroups, layer_view
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.fingerprint import weights_digest
@@ -139,7 +139,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,  # [T] int64 each
-        meta: AttentionMetadata, kv_cache: torch.Tensor,  # [num_blocks, L, 2, kvh, block_size, D]
+        meta: AttentionMetadata | list[AttentionMetadata],  # one per KV group with KVGroups
+        kv_cache: torch.Tensor | KVGroups,  # [num_blocks, L, 2, kvh, block_size, D], or one pool per group
         logits_indices: torch.Tensor,  # [S] int64: rows of the batch whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, V]
         c = self.config
@@ -163,7 +164,8 @@ class LlamaModel:
                 k = _norm(k.view(-1, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
                 q, k = rope_(q, cos, sin), rope_(k, cos, sin)  # [T, H, D], [T, kvh, D]
             v = qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-            o = attend(q, k, v, *layer_kv(kv_cache, i), meta, self.scale, layer.sliding_window)
+            k_cache, v_cache, layer_meta = layer_view(kv_cache, meta, i)
+            o = attend(q, k, v, k_cache, v_cache, layer_meta, self.scale, layer.sliding_window)
             o = linear(o.flatten(1), layer.o_proj)  # [T, hidden]
             if layer.attn_out_norm is not None:
                 o = _norm(o, layer.attn_out_norm, eps)

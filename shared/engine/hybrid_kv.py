@@ -1,0 +1,199 @@
+"""SWA-aware KV: full-attention layers and sliding-window layers keep their KV in two pools (KV groups).
+
+The full group (``full``) holds every token's KV for the full-attention layers; the window group (``win``) holds
+the window layers' KV only for the tokens a future query can still see. Both use the same block size and the
+same logical block index (block ``i`` = tokens ``[i * bs, (i + 1) * bs)``); each request has one block table per
+group. The window table's slots ``[0, drop)`` point at the window pool's null block (``BlockManager``'s
+``reserve_null``), where ``drop = max(0, (q0 - window + 1) // bs)`` and ``q0`` is the first position any query of
+this request will still compute (``num_computed_tokens`` when a step is scheduled: this step's tokens and its
+drafted tokens all lie at or after it; a rejected draft never moves it back below). A query at position ``p``
+sees keys ``(p - window, p]``, so no query reads a released block: the window mask skips every null slot.
+``window`` is the largest window of the model's window layers. A running sequence holds at most
+``ceil((window + n) / bs) + 1`` window blocks while it computes ``n`` tokens in a step.
+
+Prefix-cache hit rule: a hit of ``n`` leading blocks needs the full group's blocks ``0..n-1`` all cached and
+the window group's blocks ``lo..n-1`` cached, ``lo = max(0, (q0 - window + 1) // bs)`` with ``q0 = n * bs``
+(the window of the first query after the hit); the engine takes the largest such ``n``. An import that writes
+tokens up to ``q0 > n * bs`` itself (migration, hand-off) asks with that ``q0``. KV events and the router's KV
+index carry the full group's hashes only (the window group's are internal; a hit decision is the engine's).
+
+Capacity: a request fits only when both pools have room; ``allocate_slots`` checks both before changing either,
+so nothing is ever left half-allocated. ``usage`` is the fuller pool's; ``num_free_blocks`` expresses that
+pressure in full-group blocks (tokens / block_size), the unit routers compare with a prompt's length.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.request import Request
+
+
+class HybridHits:
+    """Opaque prefix hit (``get_computed_blocks``): the full group's block ids and the window group's (the null
+    block where the window cannot see), one per hit block."""
+    __slots__ = ("full", "window")
+
+    def __init__(self, full: list[int], window: list[int]) -> None:
+        self.full, self.window = full, window
+
+    def __len__(self) -> int:
+        return len(self.full)
+
+
+def window_blocks_per_seq(window: int, block_size: int) -> int:
+    """Window blocks a decoding sequence holds at most: ``window`` tokens span ``ceil(window / bs) + 1`` blocks."""
+    return -(-window // block_size) + 1
+
+
+def pool_sizes(kv_cache_bytes: int, full_block_bytes: int, window_block_bytes: int, context: int, window: int,
+               block_size: int, min_window_blocks: int) -> tuple[int, int]:
+    """``(full blocks, window blocks)`` for ``kv_cache_bytes``. Rule: split the bytes in proportion to what one
+    sequence of ``context`` tokens needs in each pool (``ceil(context / bs)`` full blocks, ``min(that,
+    ceil(window / bs) + 1)`` window blocks), so the pools run out together for sequences of that length; the
+    window pool is given at least ``min_window_blocks`` (one request's worst step: ``LLMEngine.validate`` refuses
+    requests that could never fit), but that floor never takes more than half the bytes."""
+    nf_seq = -(-context // block_size)
+    nw_seq = min(nf_seq, window_blocks_per_seq(window, block_size))
+    per_seq = nf_seq * full_block_bytes + nw_seq * window_block_bytes
+    seqs = kv_cache_bytes / per_seq
+    floor = min(min_window_blocks, kv_cache_bytes // 2 // max(1, window_block_bytes))
+    num_window = max(floor, math.floor(seqs * nw_seq), 1)
+    rest = kv_cache_bytes - num_window * window_block_bytes
+    num_full = max(1, rest // full_block_bytes if full_block_bytes else math.floor(seqs * nf_seq))
+    return int(num_full), int(num_window)
+
+
+class HybridBlockManager:
+    """The ``BlockManager`` interface over two KV groups (see the module docstring for the rules)."""
+
+    def __init__(self, num_full_blocks: int, num_window_blocks: int, block_size: int, window: int,
+                 enable_caching: bool = True, event_sink: Callable[[str, list[int]], None] | None = None) -> None:
+        self.full = BlockManager(num_full_blocks, block_size, enable_caching, event_sink)
+        self.win = BlockManager(num_window_blocks + 1, block_size, enable_caching, reserve_null=True)
+        self.block_size, self.window, self.enable_caching = block_size, window, enable_caching
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
+    @property
+    def num_window_blocks(self) -> int:
+        return self.win.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        return max(self.full.usage, self.win.usage)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_blocks - math.ceil(self.usage * self.full.num_blocks - 1e-9)
+
+    @property
+    def cached(self) -> dict[int, int]:
+        return self.full.cached
+
+    @property
+    def event_sink(self):
+        return self.full.event_sink
+
+    @event_sink.setter
+    def event_sink(self, sink) -> None:
+        self.full.event_sink = sink
+
+    def drop(self, q0: int) -> int:
+        """Leading blocks no query at a position ``>= q0`` can see."""
+        return max(0, (q0 - self.window + 1) // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The full group's block table (the request's logical block names)."""
+        return self.full.block_ids(request_id)
+
+    def window_block_ids(self, request_id: str) -> list[int]:
+        """The window group's block table (null block where released)."""
+        return self.win.block_ids(request_id)
+
+    def _largest_hit(self, request: Request, max_blocks: int, q0: int | None) -> HybridHits:
+        full = self.full.lookup(request, max_blocks)
+        win = [self.win.cached_block(request, i) for i in range(len(full))]
+        for n in range(len(full), 0, -1):
+            lo = min(self.drop(n * self.block_size if q0 is None else q0), n)
+            if all(b is not None for b in win[lo:n]):
+                return HybridHits(full[:n], [self.win.null] * lo + win[lo:n])
+        return HybridHits([], [])
+
+    def get_computed_blocks(self, request: Request, q0: int | None = None) -> tuple[HybridHits, int]:
+        """Largest prefix hit under the hit rule: ``(hits, num_tokens)``; at least one token is left to compute.
+        ``q0``: the first position a query will compute after the hit (default: the hit's end)."""
+        if not self.enable_caching:
+            return HybridHits([], []), 0
+        hits = self._largest_hit(request, (request.num_tokens - 1) // self.block_size, q0)
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def cached_prefix(self, request: Request) -> int:
+        """How many leading blocks the hit rule would reuse now (read-only: no stats)."""
+        return len(self._largest_hit(request, len(request.block_hashes), None))
+
+    def has_room(self, request: Request, total: int) -> bool:
+        """Whether the request could grow to ``total`` tokens now (both pools)."""
+        return (self.full.can_allocate(request, total)
+                and self.win.can_allocate(request, total, (), self.drop(request.num_computed_tokens)))
+
+    # -- mutations -------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: HybridHits | tuple = (),
+                       q0: int | None = None) -> list[int] | None:
+        """Room in both pools for ``num_new_tokens`` after ``num_computed_tokens`` plus the hit, or ``None`` and
+        nothing changed. Window blocks before ``drop(q0)`` (``q0`` default: the first token computed now) are
+        released / never allocated. Returns the full group's new block ids."""
+        hits = computed_blocks if isinstance(computed_blocks, HybridHits) else HybridHits([], [])
+        start = request.num_computed_tokens + len(hits) * self.block_size
+        total = start + num_new_tokens
+        skip = self.drop(start if q0 is None else q0)
+        if not (self.full.can_allocate(request, total, hits.full)
+                and self.win.can_allocate(request, total, hits.window, skip)):
+            return None
+        new_ids = self.full.allocate_slots(request, num_new_tokens, hits.full)
+        ok = self.win.allocate_slots(request, num_new_tokens, hits.window, skip)
+        assert new_ids is not None and ok is not None, "a pool ran out after its room was checked"
+        return new_ids
+
+    def import_cached(self, request: Request, first: int, count: int,
+                      has_window: list[bool]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+        """Publish blocks ``[first, first + count)`` computed elsewhere (the cache tier, a pre-copy) as free cached
+        blocks: full rows for those the full group lacks, window rows for those the window of the resulting hit
+        needs and the payload carries (``has_window[j]`` for block ``first + j``; a source sends zeros for rows it
+        released). Returns ``(full (index, block id), window (index, block id), n)``: the caller writes those
+        rows; the full group then holds blocks ``[0, n)``."""
+        f0 = min(max(first, self.full.cached_prefix(request)), first + count)
+        f_ids = self.full.import_cached(request, f0, first + count - f0)
+        n = f0 + len(f_ids)
+        w0 = max(first, min(self.drop(n * self.block_size), n))
+        for j in range(w0, n):  # the window rows must run unbroken to n
+            if not has_window[j - first]:
+                w0 = j + 1
+        while w0 < n and self.win.cached_block(request, w0) is not None:
+            w0 += 1
+        w_ids = self.win.import_cached(request, w0, n - w0) if w0 < n else []
+        return list(enumerate(f_ids, f0)), list(enumerate(w_ids, w0)), n
+
+    def free(self, request_id: str) -> None:
+        self.full.free(request_id)
+        self.win.free(request_id)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        self.full.trim(request_id, num_tokens)
+        self.win.trim(request_id, num_tokens)
+
+    def publish_computed(self, request: Request, num_tokens: int) -> None:
+        self.full.publish_computed(request, num_tokens)
+        self.win.publish_computed(request, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.full.reset_prefix_cache()
+        self.win.reset_prefix_cache()

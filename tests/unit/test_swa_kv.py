@@ -1,0 +1,242 @@
+"""SWA-aware KV (shared/engine/hybrid_kv.py): a tiny float64 Gemma-3-shaped model (window 8, block size 4, five of
+every six layers sliding) gives exactly the full-KV engine's greedy tokens while its window pool releases what no
+query can see: batching, chunked prefill across window boundaries, prefix hits, preemption, speculative decoding,
+migration, prefill hand-off and tier import (also across SWA-aware and full-KV engines: one wire format)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from shared.engine import kv_io
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.hybrid_kv import HybridBlockManager
+from shared.engine.kv_handoff import export_kv, import_prefilled
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.speculator import SpecConfig, Speculator
+from shared.model.llama import LlamaModel
+from tests.gemma_factory import gemma_config, gemma_weights
+from tests.tiny_model import tiny_model
+from tests.unit.test_spec_engine import OracleDrafter
+
+BS, WINDOW = 4, 8
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+PROMPTS = [[(7 * i + j) % 200 + 10 for i in range(n)] for j, n in ((1, 5), (2, 19), (3, 33), (4, 12))]
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    config = gemma_config(head_dim=16, heads=4, kv_heads=2, window=WINDOW, num_layers=7)
+    return LlamaModel(config, gemma_weights(config, seed=3, dtype=torch.float64), torch.float64, torch.device("cpu"))
+
+
+def engine(model, swa=True, blocks=96, window_blocks=None, batched=64, caching=True) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(block_size=BS, num_kv_blocks=blocks, num_window_kv_blocks=window_blocks,
+                                         max_num_batched_tokens=batched, swa_kv=swa, enable_prefix_caching=caching))
+
+
+def run(eng, rid, until=None):
+    got, last = [], None
+    while eng.has_unfinished() and (until is None or len(got) < until):
+        for o in eng.step():
+            if o.request_id == rid:
+                got += o.new_token_ids
+                last = o
+    return got, last
+
+
+def window_held(bm: HybridBlockManager, rid: str) -> int:
+    return sum(1 for b in bm.window_block_ids(rid) if b != bm.win.null)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return engine(model, swa=False).generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("batched", [64, 7, 3])
+def test_batched_and_chunked_prefill_equal_full_kv(model, reference, batched):
+    eng = engine(model, batched=batched)
+    assert isinstance(eng.block_manager, HybridBlockManager)
+    assert eng.generate(PROMPTS, GREEDY) == reference
+    bm = eng.block_manager
+    assert bm.full.num_free_blocks == bm.num_blocks and bm.win.num_free_blocks == bm.num_window_blocks
+
+
+def test_window_blocks_are_released_and_stay_bounded(model):
+    eng = engine(model, batched=8)
+    params = dataclasses.replace(GREEDY, max_tokens=80)
+    rids = [eng.add_request(p, params) for p in PROMPTS[1:3]]
+    bm, peak = eng.block_manager, 0
+    while eng.has_unfinished():
+        eng.step()
+        for rid in rids:
+            req = eng.requests.get(rid)
+            if req is not None and req.num_output_tokens >= 2:   # decoding (a decode step allocated since prefill)
+                peak = max(peak, window_held(bm, rid))
+                assert window_held(bm, rid) <= -(-WINDOW // BS) + 1
+                assert len(bm.block_ids(rid)) >= req.num_computed_tokens // BS   # the full group keeps everything
+    assert peak == -(-WINDOW // BS) + 1
+    assert eng.generate(PROMPTS[1:3], params) == engine(model, swa=False).generate(PROMPTS[1:3], params)
+
+
+def test_prefix_hits_same_prompt_and_shared_prefix(model, reference):
+    eng, full = engine(model), engine(model, swa=False)
+    for e in (eng, full):
+        e.generate([PROMPTS[2]], GREEDY)
+    shared = PROMPTS[2][:26] + [99, 98, 97]
+    for prompt in (PROMPTS[2], shared, PROMPTS[2][:21]):
+        outs = []
+        for e in (eng, full):
+            rid = e.add_request(prompt, GREEDY)
+            outs.append(run(e, rid))
+        assert outs[0][0] == outs[1][0]
+        assert outs[0][1].num_cached_tokens > 0
+
+
+def test_hit_rule_needs_the_window_blocks_the_next_query_sees():
+    bm = HybridBlockManager(32, 8, BS, WINDOW)
+    prompt = list(range(1, 26))   # 25 tokens: up to 6 full blocks reusable
+    a = Request("a", prompt, GREEDY, block_size=BS, model_fingerprint="")
+    assert bm.allocate_slots(a, 25) is not None   # all 7 window blocks (nothing computed yet)
+    assert len(bm.win.free_queue) == 1
+    bm.free("a")
+    b = Request("b", prompt, GREEDY, block_size=BS, model_fingerprint="")
+    hits, n = bm.get_computed_blocks(b)
+    assert n == 24 and hits.window[:4] == [0] * 4 and 0 not in hits.window[4:]   # window of 24 needs blocks 4, 5
+    del bm.win.cached[b.block_hashes[4]]           # the window group lost block 4: n = 6 and 5 fail
+    hits, n = bm.get_computed_blocks(b)
+    assert n == 16 and hits.window[:2] == [0, 0] and 0 not in hits.window[2:]
+    assert bm.allocate_slots(b, 9, hits) is not None
+    assert window_held(bm, "b") == 5 and len(bm.block_ids("b")) == 7   # blocks 2..6 of the window group
+
+
+def test_no_room_in_the_window_pool_changes_nothing():
+    bm = HybridBlockManager(32, 3, BS, WINDOW)
+    a = Request("a", list(range(1, 20)), GREEDY, block_size=BS, model_fingerprint="")
+    free_full = bm.full.num_free_blocks
+    assert bm.allocate_slots(a, 19) is None      # 5 window blocks needed, 3 in the pool
+    assert bm.full.num_free_blocks == free_full and not bm.block_ids("a") and not bm.window_block_ids("a")
+    assert bm.allocate_slots(a, 8) is not None and bm.usage == pytest.approx(2 / 3)
+
+
+def test_preemption_under_a_small_window_pool(model, reference):
+    eng = engine(model, blocks=40, window_blocks=12, batched=16)
+    assert eng.generate(PROMPTS, GREEDY) == reference
+    assert eng.num_preemptions > 0
+
+
+def test_speculative_decoding_equals_full_kv(model, reference):
+    spec = Speculator(OracleDrafter(PROMPTS, reference, wrong_every=3), SpecConfig(k=4))
+    eng = engine(model, batched=24)
+    eng.set_speculator(spec)
+    assert eng.generate(PROMPTS, GREEDY) == reference
+    assert 0 < spec.counters.accepted < spec.counters.drafted
+
+
+@pytest.mark.parametrize("src_swa,dst_swa", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("after", [1, 6])
+def test_migration_equals_full_kv(model, src_swa, dst_swa, after):
+    prompt = PROMPTS[2]
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src, dst = engine(model, swa=src_swa), engine(model, swa=dst_swa)
+    src.add_request(PROMPTS[0], dataclasses.replace(GREEDY, max_tokens=40), "other")
+    src.add_request(prompt, GREEDY, "x")
+    got, _ = run(src, "x", until=after)
+    moved = src.detach("x")
+    kv = kv_io.gather(src, "x", moved.block_ids)            # [blocks, L, 2, kvh, bs, D]: the wire format
+    assert list(kv.shape[1:]) == dst.kv_block_shape
+    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, kv,
+                              model_fingerprint=src.fingerprint)
+    if dst_swa:
+        assert window_held(dst.block_manager, "x") <= -(-WINDOW // BS) + 1   # only what the window still needs
+    src.drop_detached("x")
+    assert got + run(dst, "x")[0] == expected
+
+
+def test_pre_copy_then_switch_equals_full_kv(model):
+    prompt = PROMPTS[2]
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src, dst = engine(model), engine(model)
+    src.add_request(prompt, GREEDY, "x")
+    got, _ = run(src, "x", until=3)
+    ids, tokens, salt = src.full_blocks("x")
+    kept = dst.import_tier_blocks(tokens, salt, 0, src.kv_source("x", ids)[0])
+    assert kept == len(ids)
+    got += run(src, "x", until=3)[0]
+    assert src.holds_blocks("x", ids)
+    moved = src.detach("x")
+    tail = kv_io.gather(src, "x", moved.block_ids[kept:])
+    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+                              model_fingerprint=src.fingerprint, first_block=kept)
+    src.drop_detached("x")
+    assert got + run(dst, "x")[0] == expected
+
+
+@pytest.mark.parametrize("src_swa,dst_swa", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("prompt_len", [5, 8, 23, 33])
+def test_handoff_equals_monolithic(model, src_swa, dst_swa, prompt_len):
+    prompt = [(11 * i + 5) % 200 + 10 for i in range(prompt_len)]
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src = engine(model, swa=src_swa, batched=8)
+    rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_kv=True)
+    first = run(src, rid)[0][0]
+    kv = export_kv(src, rid)
+    src.release_held(rid)
+    dst = engine(model, swa=dst_swa)
+    assert import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint)
+    assert [first] + run(dst, "y")[0] == expected
+
+
+@pytest.mark.parametrize("src_swa,max_tokens,cached", [(True, 1, 36), (False, 1, 36), (True, 20, 0), (False, 20, 36)])
+def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached):
+    """A prefill worker's write-back (max_tokens 1) carries the window rows the prompt's end needs: a full hit. A
+    decode worker's SWA-aware write-back after 20 more tokens lacks them (released: zeros): no hit, still exact."""
+    prompt = PROMPTS[2] + [5, 6, 7, 8, 9, 10, 11]   # 40 tokens: 9 reusable blocks
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src = engine(model, swa=src_swa, batched=8)      # chunked: the early window rows are released (zeros)
+    rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
+    run(src, rid)
+    ids, chain, tokens = src.tier_blocks(rid)
+    kv = src.kv_source(rid, ids)[0].clone()
+    src.release_held(rid)
+    dst = engine(model)
+    first, _ = dst.missing_blocks(prompt)
+    assert first == 0 and dst.import_tier_blocks(prompt, "", 0, kv[:(len(prompt) - 1) // BS]) == 9
+    if cached:
+        assert window_held(dst.block_manager, "none") == 0 and dst.missing_blocks(prompt)[0] == 9
+    rid = dst.add_request(prompt, GREEDY)
+    got, last = run(dst, rid)
+    assert got == expected and last.num_cached_tokens == cached
+
+
+def test_model_without_windows_allocates_exactly_as_before():
+    model = tiny_model(seed=3)
+    prompts = [[t % 120 + 1 for t in p] for p in PROMPTS]
+    runs = []
+    for swa in (True, False):
+        eng = LLMEngine(model, EngineConfig(block_size=BS, num_kv_blocks=64, swa_kv=swa))
+        assert type(eng.block_manager) is BlockManager and isinstance(eng.kv_cache, torch.Tensor)
+        ids = [eng.add_request(p, GREEDY) for p in prompts]
+        tables = []
+        while eng.has_unfinished():
+            eng.step()
+            tables.append({r: list(eng.block_manager.block_ids(r)) for r in ids})
+        runs.append(tables)
+    assert runs[0] == runs[1]
+
+
+def test_pool_split_and_load_report_the_fuller_pool(model):
+    eng = LLMEngine(model, EngineConfig(block_size=BS, kv_cache_bytes=4 << 20, max_model_len=256))
+    bm = eng.block_manager
+    layer_bytes = 2 * BS * 2 * 16 * 8               # one layer's block: K and V, 2 kv heads, D 16, float64
+    assert bm.num_blocks * layer_bytes + bm.num_window_blocks * layer_bytes * 6 <= 4 << 20   # 1 full, 6 window
+    assert bm.num_window_blocks < bm.num_blocks
+    rid = eng.add_request(PROMPTS[2], GREEDY)
+    eng.step()
+    assert bm.usage == max(bm.full.usage, bm.win.usage) and bm.win.usage > bm.full.usage
+    assert bm.num_free_blocks == bm.num_blocks - math.ceil(bm.usage * bm.num_blocks - 1e-9)
+    assert eng.abort(rid) and bm.usage == 0

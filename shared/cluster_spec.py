@@ -69,6 +69,9 @@ class ClusterSpec:
         if self.switchable and self.auth and (self.nats_url or self.nats_cluster is not None):
             raise ValueError("switchable workers with auth need the lone embedded nats-server (each gets its own "
                              "instance user with both roles' rights)")
+        if self.switchable and max(self.planner_max_prefill, self.planner_max_decode) > 0:
+            raise ValueError("the launcher scales workers of fixed roles: --planner-max-* with --switchable would "
+                             "count a switched worker under the role it started in")
         if self.tenants and not self.auth:
             raise ValueError("tenants need auth=True (a tenant is a NATS user)")
         for tenant in self.tenants:

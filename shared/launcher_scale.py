@@ -74,8 +74,15 @@ class LauncherScaleDesk:
         index = self.indices[role].pop()
         name = self.cluster.worker_id(role, index)
         logger.info("planner asked for a %s worker fewer: draining %s", role, name)
-        self._spawn(self.cluster.terminate(name, timeout_s=120.0))
+        self._spawn(self._drain(name))
         return self.count(role)
+
+    async def _drain(self, name: str) -> None:
+        try:
+            code = await self.cluster.terminate(name, timeout_s=120.0)
+            logger.info("%s drained (exit %s)", name, code)
+        except Exception as err:  # still running after the wait: the cluster's stop SIGKILLs it
+            logger.warning("%s did not exit after SIGTERM: %r", name, err)
 
     async def _watch_start(self, role: str, index: int, name: str) -> None:
         try:

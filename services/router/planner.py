@@ -11,8 +11,9 @@ Invariants: one planner per cluster decides: the router whose id sorts first amo
 planners watch but do not act, so two routers never double a decision); at most one decision is carried out at
 a time (a new one waits for the last to end); every wait is bounded (``switch_timeout_s``, the scaler's own
 timeout); a failed decision is logged and counted, never retried blindly (the policy decides again after its
-cooldown). Decisions, their reasons and the pressures are on ``/metrics`` (``deepinfer_router_planner_*``) and in
-``deepinfer status`` (``stats``).
+cooldown; a failed scale-up counts as settling until it shows or its time runs out); nothing is decided once the
+router drains (``close``). Decisions, their reasons and the pressures are on ``/metrics``
+(``deepinfer_router_planner_*``) and in ``deepinfer status`` (``stats``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class RouterPlanner:
         self.nc, self.table, self.planner, self.router_id = nc, table, planner, router_id
         self.interval_s, self.switch_timeout_s, self.scaler, self.spawn = interval_s, switch_timeout_s, scaler, spawn
         self.busy = False  # a decision is being carried out
+        self.closed = False
         self.failed = 0
         self._decisions = Counter(f"{P}_decisions", "P:D planner decisions made, by kind, role and reason",
                                   ["kind", "role", "reason"], registry=registry)
@@ -60,8 +62,10 @@ class RouterPlanner:
                             dwell_s=config.planner_dwell_s, max_prefill=config.planner_max_prefill,
                             max_decode=config.planner_max_decode)
         from services.router.scaler import make_scaler
-        scaler = make_scaler(config.planner_scaler, min_replicas={"prefill": cfg.min_prefill, "decode": cfg.min_decode},
-                             max_replicas={"prefill": cfg.max_prefill, "decode": cfg.max_decode}, nc=nc)
+        scaled = {r: (lo, hi) for r, lo, hi in (("prefill", cfg.min_prefill, cfg.max_prefill),
+                                                 ("decode", cfg.min_decode, cfg.max_decode)) if hi > 0}
+        scaler = make_scaler(config.planner_scaler, min_replicas={r: lo for r, (lo, _) in scaled.items()},
+                             max_replicas={r: hi for r, (_, hi) in scaled.items()}, nc=nc)
         return cls(nc, table, Planner(cfg, cost), config.worker_id, registry, config.planner_interval_s,
                    max(90.0, config.drain_grace_s * 2 + 30.0), scaler, spawn)
 
@@ -71,9 +75,9 @@ class RouterPlanner:
         for s in self.table.workers.values():
             r = s.report
             if r.role in ("prefill", "decode") and self.table.is_alive(r.worker_id, now):
-                # ``inflight`` (placed here, not ended) includes what the heartbeat reports running or waiting
+                # what the router placed there (not ended / not prefilled) includes what the heartbeat reports
                 out.append(PoolWorker(r.worker_id, r.role, r.switchable,
-                                      r.queued_prefill_tokens + s.inflight_tokens, r.num_running,
+                                      max(r.queued_prefill_tokens, s.inflight_tokens), r.num_running,
                                       max(r.num_waiting, s.inflight - r.num_running), r.kv_usage,
                                       r.step_ms / 1000.0, r.max_num_seqs, r.draining))
         return out
@@ -105,9 +109,20 @@ class RouterPlanner:
         return actions
 
     async def run(self) -> None:
-        while True:
+        while not self.closed:
             await asyncio.sleep(self.interval_s)
-            self.step()
+            if self.closed:
+                return
+            try:
+                self.step()
+            except Exception:  # a bad heartbeat must not end the planner for good
+                logger.exception("planner: evaluation failed")
+
+    async def close(self) -> None:
+        """Stop deciding (the router drains) and release the scaler."""
+        self.closed = True
+        if self.scaler is not None:
+            await self.scaler.close()
 
     async def _carry_out(self, action: PlanAction) -> None:
         try:

@@ -330,6 +330,8 @@ class RouterService(Service):
     async def _drain_and_close(self) -> None:
         """Withdraw (NATS queue group left, HTTP answers 503), let NATS and HTTP streams finish within the
         grace period, end the rest, then close HTTP and NATS."""
+        if self.planner is not None:  # no more decisions once draining
+            await self.planner.close()
         await self.runtime.withdraw()
         t0, serving = time.monotonic(), set(self.relays.values())
         if serving:
@@ -340,8 +342,6 @@ class RouterService(Service):
         await self.runtime.finish_inflight(grace_left, self._end_streams)
         if self.http is not None:
             await self.http.stop()
-        if self.planner is not None and self.planner.scaler is not None:
-            await self.planner.scaler.close()
         await self.runtime.close()
 
     async def _end_streams(self) -> None:

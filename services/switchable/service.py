@@ -28,9 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class SwitchableWorker(DecodeService, PrefillService):
-    role_switches = 0
-    _role_subs: list = []
-    _switch_lock: asyncio.Lock | None = None
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.role_switches = 0
+        self._role_subs: list = []
+        self._switch_lock: asyncio.Lock | None = None
 
     async def serve_handlers(self) -> list:
         self._switch_lock = asyncio.Lock()
@@ -66,7 +68,16 @@ class SwitchableWorker(DecodeService, PrefillService):
                     await sub.unsubscribe()
             self._handing_back = False
             self.config = dataclasses.replace(c, role=role)
-            self._role_subs = await self._serve_role()
+            try:
+                self._role_subs = await self._serve_role()
+            except BaseException:  # serve the old role again: never left draining with nothing subscribed
+                self.config = c
+                self._role_subs = await self._serve_role()
+                if self._shutdown is None:
+                    await rt.rejoin(rt.info)
+                raise
+            if self._shutdown is not None:  # SIGTERM during the subscribes: stay draining (no await until rejoin)
+                raise DeepinferError(ErrorCode.UNAVAILABLE, f"{c.worker_id} is shutting down")
             self.role_switches += 1
             await rt.rejoin(dataclasses.replace(rt.info, role=role))
             logger.info("%s: serving %s", c.worker_id, role)

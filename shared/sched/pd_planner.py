@@ -19,14 +19,15 @@ Decisions, at most one per evaluation:
    prefills finish; the model stays loaded).
 2. **scale**: the same shortage but no worker can switch, or both roles short: the short role (the shorter
    one) grows by one if below its ``max_*``; a role under ``idle`` for the whole streak shrinks by one if
-   above its ``min_*``. ``max_*`` 0: that role is not scaled. A scale decision counts as made for
-   ``scale_settle_s`` (workers take a while to start and heartbeat): bounds are checked against the reported
-   workers plus the changes still settling, so starting workers are never asked for twice.
+   above its ``min_*``. ``max_*`` 0: that role is not scaled. A scale decision counts as made until the
+   reported workers show it, for at most ``scale_settle_s`` (workers take a while to start and heartbeat):
+   bounds are checked against the reported workers plus the changes not yet shown, so a starting worker is
+   never asked for twice, and one that has started is not counted twice.
 
 Bounded flapping (the invariants the tests check): a decision needs ``sustain`` evaluations in a row that
-propose it; two decisions are at least ``cooldown_s`` apart, or a third of it when the second moves capacity the same
-way as the first (more of the same shortage: a reversal always waits the whole cooldown); a worker that switched keeps its new role for
-``dwell_s``; a role never drops below ``min_*`` workers; ``high`` > ``low`` leaves a band where nothing moves.
+propose it; two decisions are at least ``cooldown_s`` apart, or a third of it when the second moves capacity
+the same way as the first (more of the same shortage: a reversal always waits the whole cooldown); a worker that
+switched keeps its new role for ``dwell_s``; a role never drops below ``min_*`` workers; ``high`` > ``low`` leaves a band where nothing moves.
 """
 from __future__ import annotations
 
@@ -112,7 +113,10 @@ class Planner:
         self._last_toward = ""  # the role the last decision gave capacity to ("" for a scale-down)
         self.switched_at: dict[str, float] = {}
         self.history: deque[PlanAction] = deque(maxlen=history)
-        self._settling: list[PlanAction] = []  # scale decisions younger than scale_settle_s
+        # scale decisions not yet seen in the reported counts (and younger than scale_settle_s), with the count
+        # of their role each one aims at
+        self._settling: list[tuple[PlanAction, int]] = []
+        self._planned: dict[str, int] = {}
         self.counts: dict[tuple[str, str, str], int] = {}
         self.last_pressures = (0.0, 0.0)
 
@@ -132,7 +136,7 @@ class Planner:
         if action.kind == "switch":
             self.switched_at[action.worker_id] = now
         else:
-            self._settling.append(action)
+            self._settling.append((action, self._planned[action.role] + action.delta))
         self.history.append(action)
         k = (action.kind, action.role, action.reason)
         self.counts[k] = self.counts.get(k, 0) + 1
@@ -141,9 +145,11 @@ class Planner:
     def _propose(self, now: float, workers: list[PoolWorker], p: float, d: float) -> PlanAction | None:
         cfg = self.cfg
         taking = [w for w in workers if not w.draining]
-        self._settling = [a for a in self._settling if now - a.at < cfg.scale_settle_s]
         count = {r: sum(w.role == r for w in taking) for r in ("prefill", "decode")}
-        planned = {r: count[r] + sum(a.delta for a in self._settling if a.role == r) for r in count}
+        self._settling = [(a, target) for a, target in self._settling if now - a.at < cfg.scale_settle_s
+                          and (count[a.role] < target if a.delta > 0 else count[a.role] > target)]
+        planned = self._planned = {r: count[r] + sum(a.delta for a, _ in self._settling if a.role == r)
+                                   for r in count}
         short = [r for r, x in (("prefill", p), ("decode", d)) if x >= cfg.high]
         if len(short) == 1:
             needy = short[0]

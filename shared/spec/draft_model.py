@@ -113,7 +113,9 @@ class _Plan:
 
 class DraftModelDrafter:
     """``Drafter`` running a draft ``LlamaModel`` over an anchored window of each sequence, keeping its KV
-    across calls (see module doc). ``stride`` defaults to ``window // 2``, ``max_states`` to ``max_batch``.
+    across calls (see module doc). ``stride`` defaults to ``window // 2``, ``max_states`` to ``max(max_batch,
+    64)`` (an engine's default ``max_num_seqs``: a drafter serving more sequences than it keeps states for
+    rebuilds every one, every step).
 
     Not thread-safe: one state table per drafter, used by one ``propose`` at a time."""
 
@@ -124,7 +126,7 @@ class DraftModelDrafter:
         if not 1 <= window <= max_pos:
             raise invalid(f"draft window must be in 1..{max_pos} (the draft's context), got {window}")
         stride = max(1, window // 2) if stride is None else stride
-        max_states = max_batch if max_states is None else max_states
+        max_states = max(max_batch, 64) if max_states is None else max_states
         if min(max_batch, block_size, stride) < 1:
             raise invalid(f"max_batch, block_size and stride must be positive, got {max_batch}, {block_size}, "
                           f"{stride}")

@@ -75,7 +75,7 @@ def test_steps_with_rejections_handoffs_and_evictions_equal_a_rebuild(model, str
             "c": [rng.randrange(VOCAB)]}
     drafters = [DraftModelDrafter(model, W, stride=stride, block_size=BS),  # one forward per step for all
                 DraftModelDrafter(model, W, stride=stride, block_size=BS, max_batch=2, max_states=3),
-                DraftModelDrafter(model, W, stride=stride, block_size=BS, max_batch=1)]  # evicts every call
+                DraftModelDrafter(model, W, stride=stride, block_size=BS, max_batch=1, max_states=1)]  # evicts every call
     for step in range(14):
         if step == 4:  # hand-off: "b" now names an unrelated, longer sequence
             seqs["b"] = [rng.randrange(VOCAB) for _ in range(27)]

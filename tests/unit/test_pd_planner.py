@@ -150,3 +150,15 @@ def test_scale_ups_still_starting_count_against_the_maximum():
     ups = [a for t in range(0, 50, 5) for a in planner.decide(float(t), short)]
     assert [a.delta for a in ups] == [1, 1]                   # 1 + 2 starting = 3 = max_prefill
     assert planner.decide(70.0, short) != []                  # they never came: asked again once settled
+
+
+def test_a_scale_up_stops_counting_once_its_worker_reports():
+    cfg = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=1, cooldown_s=0.0, scale_settle_s=120.0,
+                        max_decode=4)
+    planner = Planner(cfg, COST)
+    short = [prefill("p0", switchable=False), decode("d0", 8, step_s=0.2, switchable=False)]
+    assert [a.delta for a in planner.decide(0.0, short)] == [1]
+    assert planner.decide(5.0, short) != []                   # 1 + 1 starting < 4: one more
+    started = [*short, decode("d1", 8, step_s=0.2, switchable=False)]
+    assert planner.decide(10.0, started) != []                # 2 reported + 1 still starting = 3 < 4
+    assert planner.decide(11.0, started) == []                # 2 reported + 2 starting = 4

@@ -27,7 +27,8 @@ Decisions, at most one per evaluation:
 Bounded flapping (the invariants the tests check): a decision needs ``sustain`` evaluations in a row that
 propose it; two decisions are at least ``cooldown_s`` apart, or a third of it when the second moves capacity
 the same way as the first (more of the same shortage: a reversal always waits the whole cooldown); a worker that
-switched keeps its new role for ``dwell_s``; a role never drops below ``min_*`` workers; ``high`` > ``low`` leaves a band where nothing moves.
+switched keeps its new role for ``dwell_s``; a role never drops below ``min_*`` workers; ``high`` > ``low`` leaves
+a band where nothing moves.
 """
 from __future__ import annotations
 

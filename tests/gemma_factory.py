@@ -25,6 +25,7 @@ from shared.model import gemma3
 from shared.model.config import ModelConfig
 from shared.model.hf_loader import expected_weight_names
 from shared.model.tokenizer_spm import sentencepiece_bpe
+from tests.model_factory import gguf_decoder_writer
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 USER_DEFINED = ["\n", "\n\n", "\n\n\n", "  ", "   ", "\t", "<b>"]
@@ -88,15 +89,7 @@ def write_gemma_gguf(path: str | Path, config: ModelConfig, weights: dict[str, t
                      extra: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """An F32 ``gemma3`` GGUF as llama.cpp writes one: norms stored as ``1 + w``, SentencePiece tokenizer,
     no chat template; ``pattern`` writes ``attention.sliding_window_pattern``; ``extra(writer)`` adds metadata."""
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_name(config.model_id)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
+    writer = gguf_decoder_writer(path, "gemma3", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -135,6 +135,21 @@ def write_tiny_hf_folder(directory: str | Path, *, seed: int = 0, dtype: torch.d
     return directory
 
 
+def gguf_decoder_writer(path, arch: str, config) -> gguf.GGUFWriter:
+    """A ``GGUFWriter`` for an F32 decoder with ``config``'s name and shape keys written (layers, context,
+    hidden, FFN, query and KV heads); the caller adds the architecture's own keys, tokenizer and tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(config.model_id)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    return writer
+
+
 def write_tiny_gguf(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, pre: str = "gpt2",
                     gguf_arch: str | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
                     **kwargs: Any) -> Path:
@@ -148,15 +163,7 @@ def write_tiny_gguf(path: str | Path, *, seed: int = 0, dtype: torch.dtype = tor
         raise ValueError("write_tiny_gguf writes llama or qwen2 layouts only")
     arch = gguf_arch or config.architecture
     weights = random_weights(config, seed, dtype)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(config.model_id)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
+    writer = gguf_decoder_writer(path, arch, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_rope_dimension_count(config.head_dim)

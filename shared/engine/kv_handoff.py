@@ -46,11 +46,6 @@ def export_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
     return kv_io.gather(engine, request_id, prompt_block_ids(engine, request_id))
 
 
-def block_shape(engine: LLMEngine) -> list[int]:
-    """Shape of one KV block: ``[L, 2, kvh, block_size, D]`` (the logical block, with or without KV groups)."""
-    return kv_io.block_shape(engine)
-
-
 def check_model(engine: LLMEngine, model_fingerprint: str, what: str, allow_any: bool = False) -> None:
     """Raise ``model_mismatch`` unless ``model_fingerprint`` is this engine's (``allow_any``: or empty, for work
     that carries tokens only, from a sender that names no build). ``what`` names the message in the error."""

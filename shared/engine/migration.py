@@ -117,7 +117,8 @@ def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_id
     """Raise unless a request of ``prompt_token_ids`` + ``output_token_ids`` (the KV of all but the newest
     token, from block ``first_block`` on, in a payload of ``shape`` / ``dtype``, computed by the build
     ``model_fingerprint``) can be imported here. Allocates and reads nothing."""
-    from shared.engine.kv_handoff import block_shape, check_model  # kv_handoff builds on this module
+    from shared.engine.kv_handoff import check_model  # kv_handoff builds on this module
+    from shared.engine.kv_io import block_shape
 
     check_model(engine, model_fingerprint, "the KV hand-off")
     engine.validate(prompt_token_ids, params)

@@ -21,7 +21,7 @@ from typing import Any
 
 from shared.kv.block_hash import DIGEST_BYTES, block_key, unpack_digests
 from shared.protocol_control import _check_fingerprint
-from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
+from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_window_mask, _check_worker, _require
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_CACHE_CONTROL_BYTES = 64 * 1024
@@ -57,6 +57,7 @@ class _BlockList:
         _require(0 < len(self.block_shape) <= MAX_SHAPE_DIMS and min(self.block_shape) > 0,
                  f"field 'block_shape': must be 1..{MAX_SHAPE_DIMS} positive ints")
         _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        _check_range("full_layers", self.full_layers, 0, self.block_shape[0])
         _require(bool(self.block_digests) == bool(self.model_fingerprint),
                  "fields 'block_digests' and 'model_fingerprint' are given together or not at all")
         if self.block_digests:
@@ -76,7 +77,8 @@ class _BlockList:
 @wire_message(MAX_MESSAGE_BYTES)
 class CachePut(WireModel, _BlockList):
     """Worker -> tier: store these blocks for a request of class ``retention`` (accounted to ``tenant``); their
-    KV ``[len(block_hashes), *block_shape]`` of ``dtype`` is fetchable through ``transport`` / ``handle``."""
+    KV, a packed run (``shared/kv/block_pack.py``) of ``block_shape`` blocks of ``dtype`` whose blocks without
+    window rows have ``full_layers`` rows (``window_mask``), is fetchable through ``transport`` / ``handle``."""
     transfer_id: str
     worker_id: str
     retention: str
@@ -90,16 +92,22 @@ class CachePut(WireModel, _BlockList):
     tenant: str = ""
     block_digests: bytes = b""        # DIGEST_BYTES per block, in block order
     model_fingerprint: str = ""       # the build that computed the KV
+    full_layers: int = 0              # layer rows of a block without window rows (0: the model has no windows)
+    window_mask: bytes = b""          # which blocks carry their window rows (b"": all)
 
     def _check(self) -> None:
         self._check_blocks()
         _require(bool(self.transport), "field 'transport': must not be empty")
+        _check_window_mask(self.window_mask, len(self.block_hashes))
+        _require(not self.window_mask or 0 < self.full_layers < self.block_shape[0],
+                 "field 'window_mask': blocks without window rows need 0 < full_layers < block_shape[0]")
 
 
 @wire_message(MAX_MESSAGE_BYTES)
 class CacheGet(WireModel, _BlockList):
     """Worker -> tier: the leading run of these blocks you hold, staged through one of ``transports`` (the
-    worker's, in its preference order; same-host ones only when the tier runs on ``host``)."""
+    worker's, in its preference order; same-host ones only when the tier runs on ``host``). With
+    ``full_layers`` the worker also takes blocks stored without their window rows (that many rows each)."""
     transfer_id: str
     worker_id: str
     retention: str
@@ -113,6 +121,7 @@ class CacheGet(WireModel, _BlockList):
     tenant: str = ""
     block_digests: bytes = b""
     model_fingerprint: str = ""       # the asking worker's build: only its blocks are served
+    full_layers: int = 0              # as in CachePut (0: whole blocks only)
 
     def _check(self) -> None:
         self._check_blocks()
@@ -122,18 +131,21 @@ class CacheGet(WireModel, _BlockList):
 @wire_message(MAX_CACHE_CONTROL_BYTES)
 class CacheGetReply(WireModel):
     """Tier -> worker: ``num_blocks`` leading blocks (``dram_blocks`` served from DRAM, ``ssd_blocks`` from
-    SSD) of the build ``model_fingerprint`` staged as ``[num_blocks, *block_shape]`` through ``transport`` /
-    ``handle`` (empty when 0). A worker imports them only if that is its own build."""
+    SSD) of the build ``model_fingerprint`` staged as a packed run (``window_mask``; ``[num_blocks,
+    *block_shape]`` when empty) through ``transport`` / ``handle`` (empty when 0). A worker imports them only if
+    that is its own build."""
     num_blocks: int
     dram_blocks: int = 0
     ssd_blocks: int = 0
     transport: str = ""
     handle: dict[str, Any] = wire_field(default_factory=dict)
     model_fingerprint: str = ""
+    window_mask: bytes = b""
 
     def _check(self) -> None:
         _check_fingerprint("model_fingerprint", self.model_fingerprint)
         _check_range("num_blocks", self.num_blocks, 0, MAX_TIER_BLOCKS)
+        _check_window_mask(self.window_mask, self.num_blocks)
         _require(self.dram_blocks >= 0 and self.ssd_blocks >= 0
                  and self.dram_blocks + self.ssd_blocks == self.num_blocks,
                  "fields 'dram_blocks' + 'ssd_blocks' must equal 'num_blocks'")

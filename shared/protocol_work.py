@@ -14,7 +14,7 @@ from typing import Any
 from shared.protocol_control import MAX_CONTROL_BYTES, _check_fingerprint
 from shared.sampling_rules import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
 from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
-                                _check_worker, _require)
+                                _check_window_mask, _check_worker, _require)
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_PROMPT_TOKENS = 1_000_000
@@ -121,6 +121,7 @@ class KVHandoff(WireModel, _SamplingChecks):
     generator_state: bytes = b""    # a seeded request's sampler state after its last draw ("" = fresh)
     first_seq: int = 1              # seq of the first chunk this hand-off's decode worker publishes
     first_block: int = 0            # the payload starts at this block: the ones before were pre-copied
+    window_mask: bytes = b""        # which blocks carry their window layers' rows (shared/kv/block_pack.py)
 
     def _check(self) -> None:
         self._check_common()
@@ -133,6 +134,7 @@ class KVHandoff(WireModel, _SamplingChecks):
         _check_range("first_seq", self.first_seq, 1)
         _check_range("first_block", self.first_block, 0)
         _check_range("num_blocks", self.num_blocks, 0)
+        _check_window_mask(self.window_mask, self.num_blocks)
         _require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")
         _check_one_of("dtype", self.dtype, DTYPES)
@@ -160,12 +162,14 @@ class KVPrecopy(WireModel):
     transport: str
     handle: dict[str, Any]
     model_fingerprint: str
+    window_mask: bytes = b""        # as in KVHandoff
 
     def _check(self) -> None:
         _check_id("request_id", self.request_id)
         _check_id("cache_salt", self.cache_salt, allow_empty=True)
         _check_tokens("token_ids", self.token_ids)
         _check_range("num_blocks", self.num_blocks, 1)
+        _check_window_mask(self.window_mask, self.num_blocks)
         _require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")
         _check_one_of("dtype", self.dtype, DTYPES)

@@ -48,3 +48,10 @@ def _check_one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _check_range(name: str, value: float, lo: float, hi: float = math.inf) -> None:
     _require(lo <= value <= hi, f"field {name!r}: {value!r} not in [{lo}, {hi}]")
+
+
+def _check_window_mask(value: bytes, num_blocks: int) -> None:
+    """A packed run's window bitmap (``shared/kv/block_pack.py``): empty, or one bit per block."""
+    from shared.kv.block_pack import check_mask  # no torch at import time: block_pack imports it
+    problem = check_mask(value, num_blocks)
+    _require(problem is None, f"field 'window_mask': {problem}")

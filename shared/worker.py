@@ -19,6 +19,7 @@ from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect
 from shared.config import WorkerConfig, load_config
+from shared.engine import kv_io
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -175,7 +176,8 @@ class Worker(Service):
         eng = self.engine
         first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
         return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_block_shape,
-                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention)
+                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
+                                    kv_io.window_layers(eng))
 
     def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
         """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
@@ -185,7 +187,7 @@ class Worker(Service):
         eng = self.engine
 
         def import_then_submit():
-            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv))
+            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
             return submit()
         return import_then_submit
 
@@ -197,19 +199,20 @@ class Worker(Service):
         eng = self.engine
         try:
             ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
-            cache, staged = await self.kv_source(request_id, ids)
+            cache, staged, mask = await self.kv_source(request_id, ids)
             await self.tier.write_back(cache, staged, hashes, tokens, eng.config.block_size, cache_salt,
-                                       retention)
+                                       retention, mask, kv_io.full_layers(eng), eng.kv_block_shape)
         except DeepinferError as err:   # not held (aborted, failed): nothing to write
             logger.debug("[%s] no write-back: %s", request_id, err)
 
-    async def kv_source(self, request_id: str, ids: list[int]):
-        """``(cache, ids)`` a transport stages the held request's blocks ``ids`` from: the cache itself (no engine
-        round trip: held blocks do not change), or with KV groups a copy gathered on the engine thread."""
+    async def kv_source(self, request_id: str, ids: list[int], next_query: int | None = None):
+        """``(cache, rows, window_mask)`` a transport stages the held request's blocks ``ids`` from: the cache
+        itself (no engine round trip: held blocks do not change), or with KV groups a packed copy gathered on the
+        engine thread (``shared/engine/kv_io.source``; ``next_query``: the importer's first query position)."""
         eng = self.engine
         if not eng.has_kv_groups:
-            return eng.kv_cache, list(ids)
-        return await self.aengine.call(lambda: eng.kv_source(request_id, ids))
+            return eng.kv_cache, list(ids), b""
+        return await self.aengine.call(lambda: eng.kv_source(request_id, ids, next_query))
 
     async def track(self, request_id: str, reply_to: str, router_id: str = "", router_instance: str = "") -> None:
         """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched). Raises
@@ -243,7 +246,8 @@ class Worker(Service):
         """The outcome of a request whose task was cancelled: handed back while draining, else cancelled."""
         return ErrorCode.WORKER_LOST.value if self._handing_back else OUTCOME_CANCELLED
 
-    async def publish_output(self, reply_to: str, seq: int, out: RequestOutput, extra_usage: dict | None = None) -> None:
+    async def publish_output(self, reply_to: str, seq: int, out: RequestOutput,
+                             extra_usage: dict | None = None) -> None:
         usage = None
         if out.finished:
             usage = {"prompt_tokens": out.num_prompt_tokens, "cached_tokens": out.num_cached_tokens,

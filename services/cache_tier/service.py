@@ -39,7 +39,7 @@ from shared.kv.store.dram_reserve import reserve_heap
 from shared.kv.transport_choice import common_transport
 from shared.metrics.cache_tier import CacheTierMetrics
 from shared.metrics.server import MetricsServer
-from services.cache_tier.blocks import check_put_handle, fits, to_blocks, to_payload
+from services.cache_tier.blocks import check_put_handle, fits, to_blocks, to_payload, window_mask
 from services.cache_tier.ledger import TierLedger
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class CacheTierService(Service):
         if transport is None:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {put.transport!r} not offered here")
         check_put_handle(put, self.store.config.max_block_bytes)
-        kv = await transport.fetch(put.handle, timeout=self.config.fetch_timeout_s)   # [n, *block_shape]
+        kv = await transport.fetch(put.handle, timeout=self.config.fetch_timeout_s)   # packed [rows, ...]
         blocks = to_blocks(put, kv, writer)
         self.metrics.transfer("put", put.transport, len(blocks))
         new = [b.block_hash for b in blocks if self.store.where(b.block_hash) is None]
@@ -161,7 +161,7 @@ class CacheTierService(Service):
         if not found or name is None:
             return protocol.CacheGetReply(num_blocks=0)
         try:
-            handle = await self.transports[name].stage(to_payload(found), get.transfer_id)
+            handle = await self.transports[name].stage(to_payload(found, get), get.transfer_id)
         except DeepinferError as err:       # staging full or a duplicate transfer id: serve nothing
             logger.info("get %s: not staged: %s", get.transfer_id, err)
             return protocol.CacheGetReply(num_blocks=0)
@@ -170,7 +170,8 @@ class CacheTierService(Service):
         self._releases[get.transfer_id] = loop.call_later(
             self.config.stage_ttl_s, lambda: self.runtime.spawn(self._release(get.transfer_id)))
         return protocol.CacheGetReply(num_blocks=len(found), dram_blocks=dram, ssd_blocks=len(found) - dram,
-                                      transport=name, handle=handle, model_fingerprint=get.model_fingerprint)
+                                      transport=name, handle=handle, model_fingerprint=get.model_fingerprint,
+                                      window_mask=window_mask(found, get))
 
     async def on_release(self, msg) -> None:
         await self._release(protocol.decode(msg.data, protocol.CacheRelease).transfer_id)

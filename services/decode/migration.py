@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from shared import protocol, subjects
+from shared.engine import kv_io
 from shared.engine.migration import Detached
 from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
@@ -101,7 +102,7 @@ class MigrationDesk:
             return 0
         transport, tid = w.transports[order.transport], f"{rid}-pre"
         try:
-            cache, staged = await w.kv_source(rid, ids)
+            cache, staged, mask = await w.kv_source(rid, ids, len(ids) * eng.config.block_size)
             handle = await transport.stage_blocks(cache, staged, tid)
             try:
                 if not await w.aengine.call(lambda: eng.holds_blocks(rid, ids)):
@@ -109,7 +110,8 @@ class MigrationDesk:
                 msg = protocol.KVPrecopy(request_id=rid, token_ids=tokens, cache_salt=salt,
                                          num_blocks=len(ids), block_shape=eng.kv_block_shape,
                                          dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
-                                         transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint)
+                                         transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint,
+                                         window_mask=mask)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(msg),
                                            timeout=w.config.handoff_timeout_s)
                 kept = min(len(ids), int(protocol.decode_reply(reply.data, protocol.Ack).detail or 0))
@@ -127,13 +129,14 @@ class MigrationDesk:
         eng.check_model(req.model_fingerprint, "the KV pre-copy")
         transport = w.transports.get(req.transport)
         dtype, shape, _ = handle_meta(req.handle)
-        if transport is None or shape != [req.num_blocks, *req.block_shape] or str(dtype) != f"torch.{req.dtype}" \
-                or req.num_blocks * eng.config.block_size > len(req.token_ids):
+        if transport is None or req.block_shape != eng.kv_block_shape \
+                or shape != kv_io.payload_shape(eng, req.num_blocks, req.window_mask) \
+                or str(dtype) != f"torch.{req.dtype}" or req.num_blocks * eng.config.block_size > len(req.token_ids):
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"pre-copy of {req.num_blocks} blocks over "
                                  f"{req.transport!r} does not fit its header or tokens")
-        kv = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # [n, *block_shape]
-        kept = await w.aengine.call(lambda: eng.import_tier_blocks(req.token_ids, req.cache_salt, 0,
-                                                                   kv.to(eng.kv_cache.device)))
+        packed = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # kv_io.payload_shape
+        kv, has_window = kv_io.unpack(eng, packed.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
+        kept = await w.aengine.call(lambda: eng.import_tier_blocks(req.token_ids, req.cache_salt, 0, kv, has_window))
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(detail=str(kept))))
 
@@ -152,7 +155,8 @@ class MigrationDesk:
         t0 = time.perf_counter()
         first = order.precopied
         try:
-            cache, staged = await w.kv_source(rid, moved.block_ids[first:])
+            with_kv = len(moved.prompt_token_ids) + len(moved.output_token_ids) - 1   # the target's first query
+            cache, staged, mask = await w.kv_source(rid, moved.block_ids[first:], with_kv)
             handle = await transport.stage_blocks(cache, staged, tid)
             try:
                 handoff = protocol.KVHandoff(
@@ -170,7 +174,7 @@ class MigrationDesk:
                     model_fingerprint=eng.fingerprint,
                     deadline_s=deadline - asyncio.get_running_loop().time(), router_id=req.router_id,
                     router_instance=req.router_instance, generator_state=moved.generator_state, first_seq=seq,
-                    first_block=first)
+                    first_block=first, window_mask=mask)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(handoff),
                                            timeout=w.config.handoff_timeout_s)
                 protocol.decode_reply(reply.data, protocol.Ack)

@@ -16,8 +16,10 @@ import time
 
 from services.decode.migration import MIGRATING, MigrationDesk
 from shared import protocol, subjects
+from shared.engine import kv_io
 from shared.engine.migration import check_import
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv import block_pack
 from shared.kv.transport import handle_meta
 from shared.metrics.common import OUTCOME_FINISHED
 from shared.metrics.worker import FINISH_REASONS, OUTCOME_MIGRATED
@@ -46,13 +48,15 @@ class DecodeService(Worker):
             if transport is None:
                 raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
             dtype, shape, nbytes = handle_meta(req.handle)  # the handle's own fields agree with each other
-            if [req.num_blocks, *req.block_shape] != shape or f"torch.{req.dtype}" != str(dtype):
-                raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {[req.num_blocks, *req.block_shape]}"
-                                     f" {req.dtype} disagrees with its handle {shape} {dtype}")
+            has_window = block_pack.decode_mask(req.window_mask, req.num_blocks)
+            packed = block_pack.packed_shape(has_window, req.block_shape, kv_io.full_layers(eng))
+            if packed != shape or f"torch.{req.dtype}" != str(dtype):
+                raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {packed} {req.dtype} disagrees "
+                                     f"with its handle {shape} {dtype}")
             # before any allocation or fetch: a bad hand-off (or another build's KV) is refused here
             outputs = [*req.prior_output_ids, req.first_token]  # one token, or a migrating stream's all
-            check_import(eng, req.prompt_token_ids, outputs, params, shape, req.dtype, req.model_fingerprint,
-                         req.generator_state, req.first_block)
+            check_import(eng, req.prompt_token_ids, outputs, params, [req.num_blocks, *req.block_shape], req.dtype,
+                         req.model_fingerprint, req.generator_state, req.first_block)
         else:
             eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
@@ -73,9 +77,9 @@ class DecodeService(Worker):
         try:
             if handoff:
                 t_fetch = time.perf_counter()
-                kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)
+                kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)   # packed
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
-                kv = kv.to(eng.kv_cache.device)  # [num_blocks, *block_shape]
+                kv, _ = kv_io.unpack(eng, kv.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
                 submit = lambda: eng.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
                                                     generator_state=req.generator_state, first_block=req.first_block)

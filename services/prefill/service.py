@@ -86,7 +86,8 @@ class PrefillService(Worker):
         transport = self.transports[req.transport]
         t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
-        cache, staged = await self.kv_source(rid, ids)  # the cache itself, or a copy (KV groups)
+        # the cache itself, or a packed copy (KV groups: window rows only where the first decode query looks)
+        cache, staged, mask = await self.kv_source(rid, ids, len(req.prompt_token_ids))
         handle = await transport.stage_blocks(cache, staged, rid)  # gathers straight into staging
         try:
             handoff = protocol.KVHandoff(
@@ -96,7 +97,8 @@ class PrefillService(Worker):
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
                 retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,
-                deadline_s=deadline - time.monotonic(), router_id=req.router_id, router_instance=req.router_instance)
+                deadline_s=deadline - time.monotonic(), router_id=req.router_id, router_instance=req.router_instance,
+                window_mask=mask)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=self.config.handoff_timeout_s)

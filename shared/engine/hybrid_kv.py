@@ -4,15 +4,19 @@ The full group (``full``) holds every token's KV for the full-attention layers; 
 the window layers' KV only for the tokens a future query can still see. Both use the same block size and the
 same logical block index (block ``i`` = tokens ``[i * bs, (i + 1) * bs)``); each request has one block table per
 group. The window table's slots ``[0, drop)`` point at the window pool's null block (``BlockManager``'s
-``reserve_null``), where ``drop = max(0, (q0 - window + 1) // bs)`` and ``q0`` is the first position any query of
-this request will still compute (``num_computed_tokens`` when a step is scheduled: this step's tokens and its
-drafted tokens all lie at or after it; a rejected draft never moves it back below). A query at position ``p``
-sees keys ``(p - window, p]``, so no query reads a released block: the window mask skips every null slot.
+``reserve_null``), where ``drop = max(0, (b0 - window + 1) // bs)``, ``b0 = (q0 // bs) * bs`` is the block boundary
+at or before ``q0``, and ``q0`` is the first position any query of this request will still compute
+(``num_computed_tokens`` when a step is scheduled: this step's tokens and its drafted tokens all lie at or after
+it; a rejected draft never moves it back below). A query at position ``p`` sees keys ``(p - window, p]``, so no
+query reads a released block: the window mask skips every null slot. Keeping the window of ``b0`` rather than of
+``q0`` (at most one block more, inside the bound below) means a request always holds the window rows a prefix hit
+on its own full blocks needs, so its write-back to the cache tier can be hit by the next turn.
 ``window`` is the largest window of the model's window layers. A running sequence holds at most
-``ceil((window + n) / bs) + 1`` window blocks while it computes ``n`` tokens in a step.
+``window_blocks_per_seq(window, bs, n)`` window blocks while it computes ``n`` tokens in a step (decoding:
+``ceil((window - 1) / bs) + 1``).
 
 Prefix-cache hit rule: a hit of ``n`` leading blocks needs the full group's blocks ``0..n-1`` all cached and
-the window group's blocks ``lo..n-1`` cached, ``lo = max(0, (q0 - window + 1) // bs)`` with ``q0 = n * bs``
+the window group's blocks ``lo..n-1`` cached, ``lo = drop(q0)`` with ``q0 = n * bs``
 (the window of the first query after the hit); the engine takes the largest such ``n``. An import that writes
 tokens up to ``q0 > n * bs`` itself (migration, hand-off) asks with that ``q0``. KV events and the router's KV
 index carry the full group's hashes only (the window group's are internal; a hit decision is the engine's).
@@ -42,16 +46,17 @@ class HybridHits:
         return len(self.full)
 
 
-def window_blocks_per_seq(window: int, block_size: int) -> int:
-    """Window blocks a decoding sequence holds at most: ``window`` tokens span ``ceil(window / bs) + 1`` blocks."""
-    return -(-window // block_size) + 1
+def window_blocks_per_seq(window: int, block_size: int, num_tokens: int = 1) -> int:
+    """Window blocks a sequence holds at most while it computes ``num_tokens`` tokens in a step (``drop``'s
+    rule: the window of the block boundary before its first query, up to its last token)."""
+    return -(-(window - 1) // block_size) + (num_tokens + block_size - 2) // block_size + 1
 
 
 def pool_sizes(kv_cache_bytes: int, full_block_bytes: int, window_block_bytes: int, context: int, window: int,
                block_size: int, min_window_blocks: int) -> tuple[int, int]:
     """``(full blocks, window blocks)`` for ``kv_cache_bytes``. Rule: split the bytes in proportion to what one
     sequence of ``context`` tokens needs in each pool (``ceil(context / bs)`` full blocks, ``min(that,
-    ceil(window / bs) + 1)`` window blocks), so the pools run out together for sequences of that length; the
+    window_blocks_per_seq(window, bs))`` window blocks), so the pools run out together for sequences of that length; the
     window pool is given at least ``min_window_blocks`` (one request's worst step: ``LLMEngine.validate`` refuses
     requests that could never fit), but that floor never takes more than half the bytes."""
     nf_seq = -(-context // block_size)
@@ -106,8 +111,9 @@ class HybridBlockManager:
         self.full.event_sink = sink
 
     def drop(self, q0: int) -> int:
-        """Leading blocks no query at a position ``>= q0`` can see."""
-        return max(0, (q0 - self.window + 1) // self.block_size)
+        """Leading blocks released for a request whose queries start at ``q0``: none of them is seen by a query at
+        a position ``>= q0`` nor by one at the block boundary before ``q0`` (a hit on its full blocks)."""
+        return max(0, ((q0 // self.block_size) * self.block_size - self.window + 1) // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The full group's block table (the request's logical block names)."""

@@ -3,11 +3,13 @@ request's full-group block ids, whatever the physical layout (one tensor, or SWA
 ``shared/engine/hybrid_kv.py``).
 
 Invariants:
-- The wire format of a block is the logical block (``block_shape``), with or without KV groups; a window layer's
-  rows of a block the window no longer needed at the source are zeros (``KVGroups.gather``) and an importer never
-  reads them (it allocates window blocks only where its window needs them).
+- On the wire and in the cache tier a run of blocks is a packed run (``shared/kv/block_pack.py``): every block's
+  full-attention rows, and a window layer's rows only for the blocks whose window the source still held; a
+  source without KV groups sends whole logical blocks (empty mask). An importer unpacks to logical blocks (rows
+  that did not travel read as zeros) and never reads a missing row: it allocates window blocks only where its
+  window needs them, and a prefix-cache import takes window rows only from blocks that carry them.
 - ``source(engine, request_id, ids)`` is what a transport stages: the cache itself and ``ids`` (no copy) for a
-  single pool; a gathered copy and ``range(n)`` with KV groups. Call it on the engine thread: the copy then is
+  single pool; a packed copy and ``range(rows)`` with KV groups. Call it on the engine thread: the copy then is
   the blocks' content at one instant between steps.
 """
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import HybridBlockManager, pool_sizes, window_blocks_per_seq
+from shared.errors import DeepinferError, ErrorCode
+from shared.kv import block_pack
 from shared.model.kv_cache import KVGroups
 
 if TYPE_CHECKING:
@@ -48,7 +52,7 @@ def build_block_manager(model: LlamaModel, config: EngineConfig,
 
 def min_window_blocks(config: EngineConfig, window: int) -> int:
     """Window blocks one request may need in one step: a chunk of ``max_num_batched_tokens`` plus its window."""
-    return window_blocks_per_seq(window + config.max_num_batched_tokens, config.block_size)
+    return window_blocks_per_seq(window, config.block_size, config.max_num_batched_tokens)
 
 
 def window_fits(engine: LLMEngine, total: int) -> bool:
@@ -86,12 +90,56 @@ def gather(engine: LLMEngine, request_id: str, ids: list[int]) -> torch.Tensor:
     return kv[torch.tensor(list(ids), dtype=torch.long, device=kv.device)]
 
 
-def source(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """``(cache, block ids)`` a transport stages the request's blocks ``ids`` from (see the module docstring)."""
+def window_layers(engine: LLMEngine) -> list[int]:
+    """The model's sliding-window layers (the rows a packed block may leave out)."""
+    return [i for i, w in enumerate(engine.model.config.layer_sliding_windows) if w is not None]
+
+
+def full_layers(engine: LLMEngine) -> int:
+    """Layer rows of a packed block without its window rows (``shared/kv/block_pack.py``)."""
+    return engine.model.config.num_layers - len(window_layers(engine))
+
+
+def source(engine: LLMEngine, request_id: str, ids: list[int],
+           next_query: int | None = None) -> tuple[torch.Tensor, list[int], bytes]:
+    """``(cache, rows, window_mask)`` a transport stages the request's blocks ``ids`` from (``stage_blocks(cache,
+    rows)``): the cache itself, ``ids`` and ``b""`` for a single pool (no copy); with KV groups a packed run
+    (``KVGroups.gather_packed``), ``range(rows)`` and its mask. A block carries its window rows when the request
+    still holds them and, with ``next_query`` (the position of the first query the importer will compute), when
+    that query's window can see the block: a hand-off sends no row its receiver will not read. Call it on the
+    engine thread (see the module docstring)."""
     kv = engine.runner.kv_cache
     if isinstance(kv, KVGroups):
-        return gather(engine, request_id, ids), list(range(len(ids)))
-    return kv, list(ids)
+        bm, ids = engine.block_manager, list(ids)
+        index = {b: i for i, b in enumerate(bm.block_ids(request_id))}
+        table = bm.window_block_ids(request_id)
+        lo = 0 if next_query is None else bm.drop(next_query)
+        window_ids = [table[index[b]] if index[b] >= lo else bm.win.null for b in ids]
+        packed, has_window = kv.gather_packed(ids, window_ids)
+        return packed, list(range(len(packed))), block_pack.encode_mask(has_window)
+    return kv, list(ids), b""
+
+
+def payload_shape(engine: LLMEngine, num_blocks: int, window_mask: bytes) -> list[int]:
+    """The shape a payload of ``num_blocks`` packed blocks with ``window_mask`` has in this engine's layout
+    (``[num_blocks, *block_shape]`` when the mask is empty); ``transfer_failed`` for a mask that cannot be."""
+    if not window_mask:
+        return [num_blocks, *block_shape(engine)]
+    has_window = block_pack.decode_mask(window_mask, num_blocks)
+    return block_pack.packed_shape(has_window, block_shape(engine), full_layers(engine))
+
+
+def unpack(engine: LLMEngine, payload: torch.Tensor, num_blocks: int,
+           window_mask: bytes) -> tuple[torch.Tensor, list[bool]]:
+    """``(blocks [num_blocks, L, ...], has_window)`` of a fetched payload (``payload_shape``); rows that did not
+    travel read as zeros, and ``has_window`` says which blocks carry theirs."""
+    has_window = block_pack.decode_mask(window_mask, num_blocks)
+    if not window_mask:
+        if list(payload.shape) != [num_blocks, *block_shape(engine)]:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(payload.shape)} is not "
+                                 f"{num_blocks} blocks of {block_shape(engine)}")
+        return payload, has_window
+    return block_pack.unpack(payload, has_window, window_layers(engine), block_shape(engine)), has_window
 
 
 def write(engine: LLMEngine, request_id: str, first: int, blocks: torch.Tensor) -> None:

@@ -53,26 +53,34 @@ def missing_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: s
 
 
 def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_salt: str, first: int,
-                       kv: torch.Tensor) -> int:
-    """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt) in the prefix cache;
-    returns how many were imported (fewer when the pool has no free room; 0 with prefix caching off)."""
+                       kv: torch.Tensor, has_window: list[bool] | None = None) -> int:
+    """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt, unpacked; block ``j``
+    carries its window layers' rows when ``has_window[j]``, default all) in the prefix cache. Returns how many
+    of them a prefix lookup now reuses (the hit rule's count with KV groups: blocks whose full rows were
+    imported but whose window the payload lacks do not count; fewer when the pool has no free room; 0 with
+    prefix caching off). An engine without KV groups imports only the leading blocks that carry every layer."""
     want = [-1, *engine.kv_block_shape]
     if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != engine.kv_cache.dtype:
         raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "
                              f"this engine's blocks {want[1:]} {engine.kv_cache.dtype}")
+    has_window = [True] * int(kv.shape[0]) if has_window is None else list(has_window)
+    if len(has_window) != kv.shape[0]:
+        raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{len(has_window)} window flags for {kv.shape[0]} blocks")
     if not engine.config.enable_prefix_caching or kv.shape[0] == 0:
         return 0
     req = scratch_request(engine, prompt_token_ids, cache_salt)
-    count = min(int(kv.shape[0]), reusable_blocks(engine, prompt_token_ids) - first)
+    count = max(0, min(int(kv.shape[0]), reusable_blocks(engine, prompt_token_ids) - first))
     bm, groups = engine.block_manager, engine.runner.kv_cache
     if isinstance(groups, KVGroups):  # full rows where missing, window rows the resulting hit's window needs
-        full, window, n = bm.import_cached(req, first, count, groups.window_present(kv[:max(count, 0)]))
+        full, window, _ = bm.import_cached(req, first, count, has_window[:count])
         for pairs, part in ((full, 0), (window, 1)):
             if pairs:
                 rows = torch.tensor([i - first for i, _ in pairs], dtype=torch.long, device=kv.device)
                 ids = [b for _, b in pairs]
                 groups.scatter(ids if part == 0 else [-1] * len(ids), ids if part else [0] * len(ids), kv[rows])
-        return max(0, n - first)
+        return max(0, min(bm.cached_prefix(req), first + count) - first)
+    if False in has_window[:count]:
+        count = has_window.index(False)  # one pool: a block is usable only with every layer's rows
     ids = bm.import_cached(req, first, count)
     if ids:
         cache = engine.kv_cache

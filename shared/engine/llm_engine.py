@@ -125,9 +125,11 @@ class LLMEngine:
     def kv_block_bytes(self) -> int:
         return kv_io.block_bytes(self)
 
-    def kv_source(self, request_id: str, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """``(cache, ids)`` to stage the request's ``block_ids`` from (engine thread; see shared/engine/kv_io.py)."""
-        return kv_io.source(self, request_id, block_ids)
+    def kv_source(self, request_id: str, block_ids: list[int],
+                  next_query: int | None = None) -> tuple[torch.Tensor, list[int], bytes]:
+        """``(cache, rows, window_mask)`` to stage the request's ``block_ids`` from (engine thread; see
+        ``kv_io.source``)."""
+        return kv_io.source(self, request_id, block_ids, next_query)
 
     @property
     def has_kv_groups(self) -> bool:
@@ -178,8 +180,9 @@ class LLMEngine:
     def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:
         return kv_tier.missing_blocks(self, prompt_token_ids, cache_salt)
 
-    def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor) -> int:
-        return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv)
+    def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
+                           has_window: list[bool] | None = None) -> int:
+        return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv, has_window)
 
     def tier_blocks(self, request_id: str, first: int = 0) -> tuple[list[int], BlockChain, list[int]]:
         return kv_tier.tier_blocks(self, request_id, first)

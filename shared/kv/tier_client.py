@@ -24,6 +24,7 @@ import torch
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain
 from shared.kv.transport import KVTransport
 from shared.kv.transport_choice import common_transport
@@ -36,7 +37,8 @@ TIER_DEAD_AFTER_S = 3.0
 @dataclass(slots=True)
 class Pulled:
     first: int               # index of the first block pulled
-    kv: torch.Tensor         # [n, *block_shape]
+    kv: torch.Tensor         # [n, *block_shape], unpacked (rows that did not travel are zeros)
+    has_window: list[bool]   # per block: whether it carries its window layers' rows
     dram_blocks: int
     ssd_blocks: int
 
@@ -116,8 +118,10 @@ class TierClient:
 
     # -- pulls --------------------------------------------------------------------------------------------
     async def pull(self, first: int, chain: BlockChain, prompt: Sequence[int], block_size: int,
-                   block_shape: list[int], dtype: str, tenant: str, retention: str) -> Pulled | None:
-        """Blocks ``first..`` of ``chain`` (the prompt's reusable blocks) that the tier holds, or None."""
+                   block_shape: list[int], dtype: str, tenant: str, retention: str,
+                   window_layers: Sequence[int] = ()) -> Pulled | None:
+        """Blocks ``first..`` of ``chain`` (the prompt's reusable blocks) that the tier holds, or None.
+        ``window_layers``: the model's sliding-window layers (blocks stored without their rows are taken too)."""
         if first >= len(chain) or not self.alive:
             return None
         want = chain[first:]
@@ -129,7 +133,8 @@ class TierClient:
                                 model_fingerprint=want.model_fingerprint,
                                 token_ids=list(prompt[first * block_size:len(chain) * block_size]),
                                 block_size=block_size, dtype=dtype, block_shape=block_shape,
-                                transports=list(self.transports), host=self.host, tenant=tenant)
+                                transports=list(self.transports), host=self.host, tenant=tenant,
+                                full_layers=block_shape[0] - len(window_layers) if window_layers else 0)
         reply = None
         try:
             msg = await self.nc.request(subjects.cache("get", self.tier_id), protocol.encode(get),
@@ -143,9 +148,9 @@ class TierClient:
             transport = self.transports.get(reply.transport)
             if transport is None:
                 raise ValueError(f"tier staged through {reply.transport!r}, not offered here")
-            kv = await transport.fetch(reply.handle, timeout=self.timeout_s)     # [n, *block_shape]
-            if list(kv.shape) != [reply.num_blocks, *block_shape]:
-                raise ValueError(f"tier sent {list(kv.shape)} for {reply.num_blocks} blocks")
+            packed = await transport.fetch(reply.handle, timeout=self.timeout_s)   # block_pack.packed_shape
+            has_window = block_pack.decode_mask(reply.window_mask, reply.num_blocks)
+            kv = block_pack.unpack(packed, has_window, window_layers, block_shape)  # [n, *block_shape]
         except Exception as err:  # noqa: BLE001 - any failure means: compute the blocks here
             self.counters.pull_failures += 1
             logger.info("tier pull from %s failed (%s): computing instead", self.tier_id, err)
@@ -160,14 +165,17 @@ class TierClient:
         c.block_pull_s = per_block if c.block_pull_s == 0 else 0.8 * c.block_pull_s + 0.2 * per_block
         c.pull_hits += 1
         c.blocks_pulled += reply.num_blocks
-        return Pulled(first, kv, reply.dram_blocks, reply.ssd_blocks)
+        return Pulled(first, kv, has_window, reply.dram_blocks, reply.ssd_blocks)
 
     # -- write-back ---------------------------------------------------------------------------------------
     async def write_back(self, kv_cache: torch.Tensor, block_ids: Sequence[int], chain: BlockChain,
-                         token_ids: Sequence[int], block_size: int, tenant: str, retention: str) -> bool:
-        """Stage ``kv_cache[block_ids]`` (the blocks ``chain`` names, in order) now (the caller holds those blocks
-        until this returns) and queue it for the tier. False (counted) when the tier is away, the queue is full
-        or staging fails."""
+                         token_ids: Sequence[int], block_size: int, tenant: str, retention: str,
+                         window_mask: bytes = b"", full_layers: int = 0, block_shape: Sequence[int] = ()) -> bool:
+        """Stage ``kv_cache[block_ids]`` (the blocks ``chain`` names, in order; with ``window_mask`` the rows of a
+        packed run, ``shared/engine/kv_io.source``, of ``block_shape`` blocks whose blocks without window rows
+        have ``full_layers`` rows) now
+        (the caller holds those blocks until this returns) and queue it for the tier. False (counted) when the
+        tier is away, the queue is full or staging fails."""
         if not block_ids:
             return False
         name = self._transport() if self.alive else None
@@ -176,6 +184,7 @@ class TierClient:
             return False
         transport, tid = self.transports[name], self._transfer_id("wb")
         nbytes = len(block_ids) * kv_cache[0].numel() * kv_cache.element_size()
+        block_shape = list(block_shape or kv_cache.shape[1:])
         if transport.budget.used + nbytes > transport.budget.max_bytes:   # never wait for room here
             self.counters.writes_dropped += 1
             return False
@@ -190,8 +199,8 @@ class TierClient:
                                 model_fingerprint=chain.model_fingerprint, token_ids=list(token_ids),
                                 block_size=block_size,
                                 dtype=str(kv_cache.dtype).removeprefix("torch."),
-                                block_shape=list(kv_cache.shape[1:]), transport=name, handle=handle,
-                                tenant=tenant)
+                                block_shape=block_shape, transport=name, handle=handle, tenant=tenant,
+                                full_layers=full_layers, window_mask=window_mask)
         try:
             self._queue.put_nowait(_Write(transport, put))
         except asyncio.QueueFull:

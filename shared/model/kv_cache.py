@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.kv.block_pack import pack
 from shared.model.config import ModelConfig
 
 
@@ -70,12 +71,11 @@ class KVGroups:
         out[:, self._wl] = rows
         return out
 
-    def window_present(self, blocks: torch.Tensor) -> list[bool]:
-        """Per logical block of ``blocks: [n, L, ...]``: whether it carries window rows (a sender's released rows
-        are all zeros; a computed K row never is)."""
-        if not self.window_layers:
-            return [False] * len(blocks)
-        return blocks[:, self._wl.to(blocks.device)].flatten(1).ne(0).any(dim=1).tolist()
+    def gather_packed(self, full_ids: list[int], window_ids: list[int]) -> tuple[torch.Tensor, list[bool]]:
+        """``(packed, has_window)``: the blocks as a packed run (``shared/kv/block_pack.py``): window rows only
+        for the blocks whose window id is not the null block."""
+        has_window = [w != 0 for w in window_ids]
+        return pack(self.gather(full_ids, window_ids), has_window, self.window_layers), has_window
 
     def scatter(self, full_ids: list[int], window_ids: list[int], blocks: torch.Tensor) -> None:
         """Write logical blocks ``blocks: [n, L, ...]``: row ``j``'s full layers into ``full_ids[j]`` and its

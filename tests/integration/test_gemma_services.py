@@ -2,7 +2,8 @@
 served disaggregated through the real router, prefill and decode workers and the cache tier over a real
 nats-server: prompts several windows long come back equal to the single-process engine's greedy tokens when
 prefilled remotely (KV hand-off), when their prefix comes from the cache tier, and as text through the router's
-tokenizer."""
+tokenizer; the hand-offs carry and the tier stores fewer bytes than whole blocks (window rows only where a window
+still sees them)."""
 import pytest
 
 from shared import protocol
@@ -23,6 +24,15 @@ def gguf_path(tmp_path_factory):
 
 def prompts() -> list[list[int]]:
     return [[2] + [(17 * i + 5 * j) % 40 + 270 for j in range(30 + 7 * i)] for i in range(3)]  # 31..45 tokens
+
+
+def ids_of(cluster, text: str) -> list[int]:
+    return cluster.router.tokenizer.encode(text)
+
+
+def handoff_bytes(worker, direction: str) -> float:
+    return sum(sample.value for metric in worker.metrics._handoff_bytes.collect() for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels["direction"] == direction)
 
 
 def request(prompt, rid: str, mode: str) -> protocol.GenerateRequest:
@@ -49,6 +59,13 @@ async def test_a_sliding_window_model_is_exact_through_hand_off_and_tier(nats_se
         assert remote == expected and from_tier == expected
         tier_hits = sum(w.metrics.prompt_tier_tokens._value.get() for w in cluster.workers)
         assert tier_hits > 0, "no prompt token came from the cache tier"
+        # SWA-aware wire and tier: the released / unseen window rows neither travel nor take room in the tier
+        block_bytes, bs = cluster.workers[0].engine.kv_block_bytes, 8
+        logical = sum(-(-len(p) // bs) for p in ps + [ids_of(cluster, "hello world is the world")]) * block_bytes
+        received = sum(handoff_bytes(w, "received") for w in cluster.workers)
+        assert 0 < received < logical, (received, logical)
+        written = cluster.tier.ledger.as_dict()["total"]
+        assert 0 < written["bytes_written"] < written["blocks_written"] * block_bytes, written
     tokenizer = cluster.router.tokenizer
     ids = tokenizer.encode("hello world is the world")
     assert ids[0] == 2 and ids.count(2) == 1                      # Gemma's <bos>, once

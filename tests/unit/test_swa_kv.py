@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.engine import kv_io
+from shared.kv import block_pack
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import HybridBlockManager
@@ -46,6 +47,12 @@ def run(eng, rid, until=None):
                 got += o.new_token_ids
                 last = o
     return got, last
+
+
+def staged(eng, rid, ids, next_query=None) -> tuple[torch.Tensor, int, bytes]:
+    """``(payload, num_blocks, window_mask)``: what a transport would carry of the request's blocks ``ids``."""
+    cache, rows, mask = eng.kv_source(rid, ids, next_query)
+    return cache[torch.tensor(rows, dtype=torch.long)], len(ids), mask
 
 
 def window_held(bm: HybridBlockManager, rid: str) -> int:
@@ -164,7 +171,9 @@ def test_pre_copy_then_switch_equals_full_kv(model):
     src.add_request(prompt, GREEDY, "x")
     got, _ = run(src, "x", until=3)
     ids, tokens, salt = src.full_blocks("x")
-    kept = dst.import_tier_blocks(tokens, salt, 0, src.kv_source("x", ids)[0])
+    payload, n, mask = staged(src, "x", ids, len(ids) * BS)   # a packed run: the released window rows stay home
+    assert mask and payload.numel() < n * math.prod(src.kv_block_shape)
+    kept = dst.import_tier_blocks(tokens, salt, 0, *kv_io.unpack(dst, payload, n, mask))
     assert kept == len(ids)
     got += run(src, "x", until=3)[0]
     assert src.holds_blocks("x", ids)
@@ -194,18 +203,20 @@ def test_handoff_equals_monolithic(model, src_swa, dst_swa, prompt_len):
 @pytest.mark.parametrize("src_swa,max_tokens,cached", [(True, 1, 36), (False, 1, 36), (True, 20, 0), (False, 20, 36)])
 def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached):
     """A prefill worker's write-back (max_tokens 1) carries the window rows the prompt's end needs: a full hit. A
-    decode worker's SWA-aware write-back after 20 more tokens lacks them (released: zeros): no hit, still exact."""
+    decode worker's SWA-aware write-back after 20 more tokens lacks them (released: not sent): no hit (the import
+    says so: 0 reusable blocks), still exact."""
     prompt = PROMPTS[2] + [5, 6, 7, 8, 9, 10, 11]   # 40 tokens: 9 reusable blocks
     expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
     src = engine(model, swa=src_swa, batched=8)      # chunked: the early window rows are released (zeros)
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
     run(src, rid)
     ids, chain, tokens = src.tier_blocks(rid)
-    kv = src.kv_source(rid, ids)[0].clone()
+    kv, has_window = kv_io.unpack(src, *staged(src, rid, ids))
     src.release_held(rid)
     dst = engine(model)
     first, _ = dst.missing_blocks(prompt)
-    assert first == 0 and dst.import_tier_blocks(prompt, "", 0, kv[:(len(prompt) - 1) // BS]) == 9
+    reusable = (len(prompt) - 1) // BS
+    assert first == 0 and dst.import_tier_blocks(prompt, "", 0, kv[:reusable], has_window[:reusable]) == cached // BS
     if cached:
         assert window_held(dst.block_manager, "none") == 0 and dst.missing_blocks(prompt)[0] == 9
     rid = dst.add_request(prompt, GREEDY)
@@ -240,3 +251,56 @@ def test_pool_split_and_load_report_the_fuller_pool(model):
     assert bm.usage == max(bm.full.usage, bm.win.usage) and bm.win.usage > bm.full.usage
     assert bm.num_free_blocks == bm.num_blocks - math.ceil(bm.usage * bm.num_blocks - 1e-9)
     assert eng.abort(rid) and bm.usage == 0
+
+
+@pytest.mark.parametrize("dst_swa", [True, False])
+def test_packed_handoff_carries_only_the_window_rows_it_needs(model, dst_swa):
+    """The hand-off's payload holds every block's full-attention rows and window rows only for the blocks the
+    receiver's first query can see (fewer than the source still holds after chunked prefill); decoding after it
+    equals the monolithic engine."""
+    prompt = [(11 * i + 5) % 200 + 10 for i in range(39)]   # last chunk from 32: the window held from block 6
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src = engine(model, batched=8)
+    rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_kv=True)
+    first = run(src, rid)[0][0]
+    ids, bm = src.prompt_block_ids(rid), src.block_manager
+    payload, n, mask = staged(src, rid, ids, len(prompt))
+    held = [b != bm.win.null for b in bm.window_block_ids(rid)[:n]]
+    seen = [held[j] and j >= bm.drop(len(prompt)) for j in range(n)]  # what the first decode query can see
+    assert block_pack.decode_mask(mask, n) == seen and 0 < sum(seen) < sum(held)
+    full, win = kv_io.full_layers(src), len(kv_io.window_layers(src))
+    assert list(payload.shape) == [n * full + sum(seen) * win, *src.kv_block_shape[1:]]
+    dst = engine(model, swa=dst_swa)
+    kv, _ = kv_io.unpack(dst, payload, n, mask)
+    src.release_held(rid)
+    assert import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint)
+    assert [first] + run(dst, "y")[0] == expected
+
+
+@pytest.fixture(scope="module")
+def model_window_7() -> LlamaModel:
+    config = gemma_config(head_dim=16, heads=4, kv_heads=2, window=7, num_layers=7)
+    return LlamaModel(config, gemma_weights(config, seed=5, dtype=torch.float64), torch.float64, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("max_tokens", [17, 18, 19, 20])
+@pytest.mark.parametrize("window", [8, 7])
+def test_next_turn_hits_a_decode_write_back_whole(request, window, max_tokens):
+    """A decode worker's write-back (whole conversation so far) holds the window rows a hit on all its full blocks
+    needs, whatever the answer's length modulo the block size and whether the window is a multiple of it: the
+    next turn reuses every full block, exactly."""
+    model = request.getfixturevalue("model" if window == 8 else "model_window_7")
+    prompt = PROMPTS[2] + [5, 6, 7, 8, 9, 10, 11]
+    src = engine(model, batched=8)
+    rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
+    answer = run(src, rid)[0]
+    ids, _, _ = src.tier_blocks(rid)
+    kv, has_window = kv_io.unpack(src, *staged(src, rid, ids))
+    assert not all(has_window)                        # the early window rows stay home
+    src.release_held(rid)
+    turn = prompt + answer + [12, 13, 14]
+    expected = engine(model, swa=False).generate([turn], GREEDY)[0]
+    dst = engine(model)
+    assert dst.import_tier_blocks(turn, "", 0, kv, has_window) == len(ids) == (len(turn) - 4) // BS
+    got, last = run(dst, dst.add_request(turn, GREEDY))
+    assert got == expected and last.num_cached_tokens == len(ids) * BS

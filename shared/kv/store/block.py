@@ -112,6 +112,12 @@ class StoredBlock:
         return self.block_hash == other.block_hash and other.mismatch(self.token_ids, self.digest,
                                                                       self.fingerprint) is None
 
+    def conflicts_with(self, other: "StoredBlock") -> bool:
+        """Whether ``other`` holds other bytes in this block's layout (same shape and dtype): a put the store
+        keeps the first of and counts (nondeterminism, forgery). A block of another shape (e.g. without its
+        window layers' rows: ``shared/kv/block_pack.py``) is another rendering, not a conflict."""
+        return self.shape == other.shape and self.dtype == other.dtype and self.payload != other.payload
+
 
 def check_identity(digest: object, fingerprint: object) -> None:
     """``invalid_request`` unless ``digest`` is bytes and ``fingerprint`` an ASCII str, both within bounds."""

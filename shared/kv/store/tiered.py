@@ -102,7 +102,9 @@ class TieredBlockStore:
     async def put_many(self, blocks: Sequence[StoredBlock], retention: str) -> None:
         """Store blocks for a request of class ``retention`` (all validated first: all or nothing). A block
         already held under the same identity (hash, tokens, digest, build) keeps its first writer's bytes: the
-        put only extends its life (other bytes are counted in ``put_conflicts``, never stored). Raises
+        put only extends its life (other bytes of the same shape are counted in ``put_conflicts``, never
+        stored; a block of the same identity with other rows, e.g. without its window layers', is not stored
+        either). Raises
         ``invalid_request`` (bad types, unknown class) or ``payload_too_large``."""
         self._check_open()
         check_blocks(blocks, MAX_BATCH_BLOCKS, self.config.max_block_bytes)
@@ -114,7 +116,7 @@ class TieredBlockStore:
             meta = self.config.retention.new_meta(retention, now)
             old = self._dram.get(block.block_hash) or self._inflight.get(block.block_hash)
             if old is not None and not old.meta.is_expired(now) and old.block.same_identity(block):
-                self._stats.put_conflicts += old.block.payload != block.payload
+                self._stats.put_conflicts += old.block.conflicts_with(block)
                 old.meta.merge(meta)
                 if old.on_ssd or block.block_hash in self._inflight:
                     self._touches[block.block_hash] = old.meta.copy()
@@ -124,7 +126,7 @@ class TieredBlockStore:
                 held = await self._on_ssd(self._ssd.get, block.block_hash, block.token_ids, retention,
                                           block.digest, block.fingerprint)  # a hit extends its life on SSD
                 if held is not None:
-                    self._stats.put_conflicts += held[0].payload != block.payload
+                    self._stats.put_conflicts += held[0].conflicts_with(block)
                     continue
             pushed += self._dram.put(DramEntry(block, meta, on_ssd=False))
             dirty |= meta.is_durable

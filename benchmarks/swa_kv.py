@@ -6,11 +6,14 @@ needs, and how many such sequences a ``--pool-gib`` pool holds, full KV vs SWA-a
 ``hybrid_kv.pool_sizes`` for that context).
 
 Part 2 (a real engine run, CPU): a tiny random Gemma-3-shaped model (float32, window ``--tiny-window``) serving
-``--seqs`` requests of ``--tiny-context`` prompt tokens from one fixed KV budget: output tokens/s, the largest
-running batch and preemptions, full KV vs SWA-aware (greedy tokens must agree).
+``--seqs`` requests of ``--tiny-context`` prompt tokens from one fixed KV budget: output tokens/s (all steps, and
+steps with no prefill in them), the largest running batch and preemptions, full KV vs SWA-aware (greedy tokens
+must agree). Part 3 (``--real-seqs N``): the same with the real Gemma 3 270M, ``N`` prompts of ``--context``
+tokens in ``--real-pool-mib`` of fp32 KV.
 
     python benchmarks/swa_kv.py
     python benchmarks/swa_kv.py --context 32768 --pool-gib 4 --skip-run
+    python benchmarks/swa_kv.py --real-seqs 4 --new-tokens 128     # about 8 min on 2 CPU cores
 """
 from __future__ import annotations
 
@@ -73,25 +76,47 @@ def capacity_table(mc: ModelConfig, context: int, pool_bytes: int, block_size: i
           f"{fit / max(1, full_blocks // nf_seq):.2f}x the sequences")
 
 
-def engine_run(swa: bool, args) -> tuple[list[list[int]], float, int, int]:
+def tiny_model(args) -> LlamaModel:
     from tests.gemma_factory import gemma_config, gemma_weights
 
     config = gemma_config(head_dim=64, heads=4, kv_heads=1, window=args.tiny_window, num_layers=6,
                           max_position_embeddings=args.tiny_context + args.new_tokens + 16)
-    model = LlamaModel(config, gemma_weights(config, seed=1), torch.float32, torch.device("cpu"))
-    eng = LLMEngine(model, EngineConfig(block_size=16, kv_cache_bytes=args.tiny_pool_kib << 10, swa_kv=swa,
-                                        max_num_batched_tokens=512, dtype="float32", device="cpu"))
+    return LlamaModel(config, gemma_weights(config, seed=1), torch.float32, torch.device("cpu"))
+
+
+def engine_run(model: LlamaModel, swa: bool, seqs: int, context: int, pool_bytes: int, new_tokens: int,
+               chunk: int) -> tuple[list[list[int]], float, float, int, int]:
+    """``(tokens, wall s, decode-only s, widest batch, preemptions)`` for ``seqs`` random prompts."""
+    eng = LLMEngine(model, EngineConfig(block_size=16, kv_cache_bytes=pool_bytes, swa_kv=swa, dtype="float32",
+                                        max_num_batched_tokens=chunk, device="cpu", swa_kv_context=context))
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 300, (args.tiny_context,), generator=gen).tolist() for _ in range(args.seqs)]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(10, 300, (context,), generator=gen).tolist() for _ in range(seqs)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]
     got = {i: [] for i in ids}
-    widest, t0 = 0, time.perf_counter()
+    widest, decode_s, t0 = 0, 0.0, time.perf_counter()
     while eng.has_unfinished():
+        ts = time.perf_counter()
+        prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.waiting) or \
+            any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running)
         for o in eng.step():
             got[o.request_id] += o.new_token_ids
+        decode_s += 0.0 if prefilling else time.perf_counter() - ts
         widest = max(widest, len(eng.scheduler.running))
-    return [got[i] for i in ids], time.perf_counter() - t0, widest, eng.num_preemptions
+    return [got[i] for i in ids], time.perf_counter() - t0, decode_s, widest, eng.num_preemptions
+
+
+def compare(model: LlamaModel, args, seqs: int, context: int, pool_bytes: int) -> None:
+    print(f"{'layout':<12}{'out tok/s':>10}{'decode-only tok/s':>19}{'wall s':>8}{'max batch':>11}{'preemptions':>13}")
+    results = {}
+    for swa in (False, True):
+        tokens, wall, decode_s, widest, preempted = engine_run(model, swa, seqs, context, pool_bytes,
+                                                               args.new_tokens, args.chunk)
+        results[swa] = tokens
+        decode_tokens = sum(len(t) for t in tokens) - seqs   # the first token of each comes with its prefill
+        print(f"{'SWA-aware' if swa else 'full KV':<12}{seqs * args.new_tokens / wall:>10.2f}"
+              f"{decode_tokens / max(decode_s, 1e-9):>19.2f}{wall:>8.1f}{widest:>11d}{preempted:>13d}")
+    print(f"greedy tokens identical: {results[True] == results[False]}")
 
 
 def main() -> None:
@@ -104,6 +129,9 @@ def main() -> None:
     ap.add_argument("--tiny-window", type=int, default=64)
     ap.add_argument("--tiny-pool-kib", type=int, default=6144)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--real-seqs", type=int, default=0, help="also serve the real Gemma 3 270M (--context tokens)")
+    ap.add_argument("--real-pool-mib", type=int, default=320)
     args = ap.parse_args()
     mc, source = gemma3_270m_config()
     print(f"Gemma 3 270M config ({source}): {mc.num_layers} layers, "
@@ -115,15 +143,14 @@ def main() -> None:
         return
     print(f"\ntiny Gemma-3-shaped engine run: {args.seqs} x {args.tiny_context}-token prompts, "
           f"{args.new_tokens} new tokens, window {args.tiny_window}, KV budget {args.tiny_pool_kib} KiB")
-    print(f"{'layout':<12}{'out tok/s':>10}{'max batch':>11}{'preemptions':>13}")
-    results = {}
-    for swa in (False, True):
-        tokens, wall, widest, preempted = engine_run(swa, args)
-        results[swa] = tokens
-        print(f"{'SWA-aware' if swa else 'full KV':<12}{args.seqs * args.new_tokens / wall:>10.1f}"
-              f"{widest:>11d}{preempted:>13d}")
-    print(f"greedy tokens identical: {results[True] == results[False]}")
-
+    compare(tiny_model(args), args, args.seqs, args.tiny_context, args.tiny_pool_kib << 10)
+    if args.real_seqs:
+        from shared.model.locate import resolve_model
+        model = LLMEngine.from_path(resolve_model("gemma3-270m"), EngineConfig(
+            num_kv_blocks=16, dtype="float32", device="cpu")).model
+        print(f"\nGemma 3 270M (fp32, CPU): {args.real_seqs} x {args.context}-token prompts, {args.new_tokens} new "
+              f"tokens, chunks of {args.chunk}, KV budget {args.real_pool_mib} MiB")
+        compare(model, args, args.real_seqs, args.context, args.real_pool_mib << 20)
 
 if __name__ == "__main__":
     main()

@@ -81,9 +81,14 @@ class LLMEngine:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "
                                  f"the context window is {self.max_model_len}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if min(total, self.max_model_len) > capacity or not kv_io.window_fits(self, min(total, self.max_model_len)):
+        if min(total, self.max_model_len) > capacity:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens exceeds "
                                  f"the KV cache capacity of {capacity} tokens")
+        if not kv_io.window_fits(self, min(total, self.max_model_len)):
+            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens cannot run in "
+                                 f"the sliding-window KV pool of {self.block_manager.num_window_blocks} blocks "
+                                 "(one prefill chunk and its window must fit: a larger KV budget or a smaller "
+                                 "max_num_batched_tokens)")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str = "", hold_kv: bool = False, continues: bool = False) -> str:

@@ -18,6 +18,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.speculator import SpecConfig, Speculator
+from shared.errors import DeepinferError, ErrorCode
 from shared.model.llama import LlamaModel
 from tests.gemma_factory import gemma_config, gemma_weights
 from tests.tiny_model import tiny_model
@@ -119,6 +120,14 @@ def test_hit_rule_needs_the_window_blocks_the_next_query_sees():
     assert n == 16 and hits.window[:2] == [0, 0] and 0 not in hits.window[2:]
     assert bm.allocate_slots(b, 9, hits) is not None
     assert window_held(bm, "b") == 5 and len(bm.block_ids("b")) == 7   # blocks 2..6 of the window group
+
+
+def test_a_request_the_window_pool_can_never_hold_is_refused_naming_it(model):
+    eng = engine(model, blocks=96, window_blocks=4, batched=16)    # a 16-token chunk and its window: 7 blocks
+    with pytest.raises(DeepinferError) as err:
+        eng.add_request(PROMPTS[2], GREEDY)
+    assert err.value.code == ErrorCode.PROMPT_TOO_LONG and "sliding-window KV pool of 4 blocks" in err.value.message
+    assert not eng.has_unfinished()
 
 
 def test_no_room_in_the_window_pool_changes_nothing():

@@ -79,10 +79,11 @@ class DecodeService(Worker):
                 t_fetch = time.perf_counter()
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)   # packed
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
-                kv, _ = kv_io.unpack(eng, kv.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
+                kv, has_window = kv_io.unpack(eng, kv.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
                 submit = lambda: eng.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
-                                                    generator_state=req.generator_state, first_block=req.first_block)
+                                                    generator_state=req.generator_state, first_block=req.first_block,
+                                                    has_window=has_window)
                 seq, extra = req.first_seq, {"cached_tokens": req.num_cached_tokens, "prefill_ms": req.ttft_ms,
                                              "tier_cached_tokens": req.tier_cached_tokens}
             else:

@@ -65,10 +65,10 @@ def check_handoff(engine: LLMEngine, prompt_token_ids: list[int], first_token: i
 
 def import_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
                      params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                     model_fingerprint: str) -> bool:
+                     model_fingerprint: str, has_window: list[bool] | None = None) -> bool:
     """Admit a request prefilled elsewhere by the build ``model_fingerprint`` (another build's KV raises
     ``model_mismatch``). Returns True if its KV was used, False if it was queued for local recompute (no room).
     ``kv: [ceil(len(prompt)/block_size), L, 2, kvh, block_size, D]``.
     ``hold_kv``: keep its blocks after it finishes (for write-back; see ``LLMEngine.release_held``)."""
     return import_running(engine, request_id, prompt_token_ids, [first_token], params, kv, cache_salt, hold_kv,
-                          model_fingerprint=model_fingerprint)
+                          model_fingerprint=model_fingerprint, has_window=has_window)

@@ -176,10 +176,11 @@ class LLMEngine:
 
     def import_running(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                        params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                       model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0) -> bool:
+                       model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0,
+                       has_window: list[bool] | None = None) -> bool:
         return migration.import_running(self, request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt,
                                         hold_kv, model_fingerprint=model_fingerprint, generator_state=generator_state,
-                                        first_block=first_block)
+                                        first_block=first_block, has_window=has_window)
 
     # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
     def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:

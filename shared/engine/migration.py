@@ -142,11 +142,14 @@ def check_import(engine: LLMEngine, prompt_token_ids: list[int], output_token_id
 
 def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                    params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                   model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0) -> bool:
+                   model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0,
+                   has_window: list[bool] | None = None) -> bool:
     """Admit a request that ran elsewhere: True if its KV was used, False if it was queued for local recompute
     (no room). ``kv: [ceil((len(prompt) + len(outputs) - 1) / block_size) - first_block, L, 2, kvh,
     block_size, D]``: the blocks before ``first_block`` must be in this engine's prefix cache (pre-copied),
-    else ``transfer_failed`` and nothing changes."""
+    else ``transfer_failed`` and nothing changes. ``has_window`` (per payload block, from its packed form): an
+    engine without KV groups recomputes instead of taking blocks that lack window rows (its prefix cache would
+    serve them whole to later requests)."""
     if request_id in engine.requests:
         raise invalid(f"duplicate request id {request_id!r}")
     bs = engine.config.block_size
@@ -179,7 +182,8 @@ def import_running(engine: LLMEngine, request_id: str, prompt_token_ids: list[in
                              f"cache, {len(hits)} found (evicted since)")
     engine.requests[request_id] = req
     new_ids = None
-    if len(sched.running) < sched.max_num_seqs:
+    whole = isinstance(bm, HybridBlockManager) or has_window is None or all(has_window)
+    if whole and len(sched.running) < sched.max_num_seqs:
         new_ids = bm.allocate_slots(req, with_kv - len(hits) * bs, hits, **groups)
     if new_ids is None:
         sched.add(req)  # recompute locally when there is room; exact, just slower

@@ -280,9 +280,11 @@ def test_packed_handoff_carries_only_the_window_rows_it_needs(model, dst_swa):
     full, win = kv_io.full_layers(src), len(kv_io.window_layers(src))
     assert list(payload.shape) == [n * full + sum(seen) * win, *src.kv_block_shape[1:]]
     dst = engine(model, swa=dst_swa)
-    kv, _ = kv_io.unpack(dst, payload, n, mask)
+    kv, has_window = kv_io.unpack(dst, payload, n, mask)
     src.release_held(rid)
-    assert import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint)
+    used = import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint,
+                            has_window=has_window)
+    assert used == dst_swa        # one pool: blocks without window rows are recomputed, not served whole later
     assert [first] + run(dst, "y")[0] == expected
 
 

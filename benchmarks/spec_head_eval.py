@@ -1,6 +1,6 @@
 """The confidence head, honestly evaluated: fitted on one side of a prompt split, measured on both sides.
 
-SmolLM2-135M fp32, greedy, CPU. Steps:
+SmolLM2-135M fp32 (or ``--target``: e.g. Qwen2.5-Coder 1.5B with its 0.5B as the drafter), greedy, CPU. Steps:
 1. the prompt pool (``spec_acceptance_data.prompt_pool``: every ``engine_prompts.json`` prompt and code-edit
    task) splits into ``train`` / ``test`` by a stable hash of each prompt's near-duplicate group (``split_of``);
 2. the target's greedy output for every prompt (``--new-tokens`` + k, EOS honoured; cached in ``--work``);
@@ -24,6 +24,9 @@ Invariants:
 
     python -m benchmarks.spec_head_eval [--drafters prompt_lookup,self:26] [--new-tokens 128] [--speed-prompts 6]
                                         [--ship]   # --ship: the shipped prompt-lookup head is this run's
+    python -m benchmarks.spec_head_eval --target ~/.cache/deepinfer/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --drafters ~/.cache/deepinfer/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --new-tokens 32 \
+        --model-stride 4 --speed-prompts 3 --speed-tokens 32 --work /tmp/spec_head_qwen
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def split_items(tokenizer, salt: str = SPLIT_SALT) -> dict[str, list[Item]]:
 
 
 def log_path(work: Path, drafter: str, side: str) -> Path:
-    return work / f"{drafter.replace(':', '')}.{side}.jsonl"
+    return work / f"{Path(drafter).name.replace(':', '')}.{side}.jsonl"   # a drafter path: its file name
 
 
 def write_side_log(drafter, items: list[Item], outputs: dict[str, list[int]], eos: set[int], path: Path,
@@ -192,6 +195,8 @@ def format_table(report: dict[str, Any]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafters", default="prompt_lookup,self:26", help="comma list: prompt_lookup, self:<N>, a path")
+    ap.add_argument("--target", default=None, help="target model path (default: SmolLM2-135M); e.g. the Qwen2.5-Coder "
+                    "1.5B GGUF of benchmarks/qwen_pair.py with its 0.5B as the drafter path")
     ap.add_argument("--work", default="/tmp/spec_head_eval", help="folder for outputs cache and acceptance logs")
     ap.add_argument("--new-tokens", type=int, default=128, help="output positions drafted at per prompt (logs)")
     ap.add_argument("--stride", type=int, default=1, help="draft at every N-th position (prompt lookup)")
@@ -213,8 +218,8 @@ def main() -> None:
 
     k, work = 5, Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu", num_threads=args.threads,
-                                                    enable_prefix_caching=False))
+    engine = LLMEngine.from_path(args.target, EngineConfig(dtype="float32", device="cpu", num_threads=args.threads,
+                                                           enable_prefix_caching=False))
     sides = split_items(engine.tokenizer)
     log.info("split %s: train %d prompts, test %d prompts", SPLIT_SALT, len(sides["train"]), len(sides["test"]))
     outputs = target_outputs(engine, sides["train"] + sides["test"], args.new_tokens + k, work / "outputs.json")

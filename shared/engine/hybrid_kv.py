@@ -53,18 +53,24 @@ def window_blocks_per_seq(window: int, block_size: int, num_tokens: int = 1) -> 
 
 
 def pool_sizes(kv_cache_bytes: int, full_block_bytes: int, window_block_bytes: int, context: int, window: int,
-               block_size: int, min_window_blocks: int) -> tuple[int, int]:
+               block_size: int, min_window_blocks: int, step_tokens: int = 0) -> tuple[int, int]:
     """``(full blocks, window blocks)`` for ``kv_cache_bytes``. Rule: split the bytes in proportion to what one
     sequence of ``context`` tokens needs in each pool (``ceil(context / bs)`` full blocks, ``min(that,
-    window_blocks_per_seq(window, bs))`` window blocks), so the pools run out together for sequences of that length; the
-    window pool is given at least ``min_window_blocks`` (one request's worst step: ``LLMEngine.validate`` refuses
-    requests that could never fit), but that floor never takes more than half the bytes."""
+    window_blocks_per_seq(window, bs))`` window blocks), so the pools run out together for sequences of that
+    length. When windows save anything, the window pool first gets room for one step's new tokens
+    (``ceil(step_tokens / bs) + 1`` blocks, at most a quarter of the bytes): sequences decoding at steady state
+    hold only their windows, and a prefill chunk's window blocks would otherwise preempt them. The window pool is
+    given at least ``min_window_blocks`` (one request's worst step: ``LLMEngine.validate`` refuses requests that
+    could never fit), but that floor never takes more than half the bytes."""
     nf_seq = -(-context // block_size)
     nw_seq = min(nf_seq, window_blocks_per_seq(window, block_size))
     per_seq = nf_seq * full_block_bytes + nw_seq * window_block_bytes
-    seqs = kv_cache_bytes / per_seq
+    spike = 0
+    if nw_seq < nf_seq and step_tokens > 0:
+        spike = min(-(-step_tokens // block_size) + 1, kv_cache_bytes // 4 // max(1, window_block_bytes))
+    seqs = (kv_cache_bytes - spike * window_block_bytes) / per_seq
     floor = min(min_window_blocks, kv_cache_bytes // 2 // max(1, window_block_bytes))
-    num_window = max(floor, math.floor(seqs * nw_seq), 1)
+    num_window = max(floor, math.floor(seqs * nw_seq) + spike, 1)
     rest = kv_cache_bytes - num_window * window_block_bytes
     num_full = max(1, rest // full_block_bytes if full_block_bytes else math.floor(seqs * nf_seq))
     return int(num_full), int(num_window)

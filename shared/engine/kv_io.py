@@ -46,7 +46,7 @@ def build_block_manager(model: LlamaModel, config: EngineConfig,
         min_window = min(min_window_blocks(config, window), -(-max_model_len // bs))
         num_full, num_window = pool_sizes(config.kv_cache_bytes, (mc.num_layers - len(windows)) * layer_bytes,
                                           len(windows) * layer_bytes, config.swa_kv_context or max_model_len,
-                                          window, bs, min_window)
+                                          window, bs, min_window, config.max_num_batched_tokens)
     return HybridBlockManager(num_full, num_window, bs, window, config.enable_prefix_caching)
 
 

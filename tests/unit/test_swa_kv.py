@@ -12,7 +12,7 @@ from shared.engine import kv_io
 from shared.kv import block_pack
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
-from shared.engine.hybrid_kv import HybridBlockManager
+from shared.engine.hybrid_kv import HybridBlockManager, pool_sizes
 from shared.engine.kv_handoff import export_kv, import_prefilled
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
@@ -260,6 +260,19 @@ def test_pool_split_and_load_report_the_fuller_pool(model):
     assert bm.usage == max(bm.full.usage, bm.win.usage) and bm.win.usage > bm.full.usage
     assert bm.num_free_blocks == bm.num_blocks - math.ceil(bm.usage * bm.num_blocks - 1e-9)
     assert eng.abort(rid) and bm.usage == 0
+
+
+def test_pool_sizes_reserve_a_step_of_window_blocks_only_where_windows_save():
+    # 64-token sequences, window 8, block 4: 16 full blocks and 3 window blocks per sequence; bytes for ~10 of them
+    full_b, win_b = 100, 600
+    base = pool_sizes(10 * (16 * full_b + 3 * win_b), full_b, win_b, 64, 8, 4, 1)
+    spiked = pool_sizes(10 * (16 * full_b + 3 * win_b), full_b, win_b, 64, 8, 4, 1, step_tokens=16)
+    assert base == (160, 30)
+    assert spiked[1] >= 5 + math.floor((10 * (16 * full_b + 3 * win_b) - 5 * win_b) / (16 * full_b + 3 * win_b) * 3)
+    assert spiked[1] > base[1] and spiked[0] < base[0]                    # 16 / 4 + 1 blocks for a step's tokens
+    assert spiked[0] * full_b + spiked[1] * win_b <= 10 * (16 * full_b + 3 * win_b)
+    short = pool_sizes(10 * 2 * (full_b + win_b), full_b, win_b, 8, 8, 4, 1, step_tokens=16)  # context <= window
+    assert short == pool_sizes(10 * 2 * (full_b + win_b), full_b, win_b, 8, 8, 4, 1)
 
 
 @pytest.mark.parametrize("dst_swa", [True, False])

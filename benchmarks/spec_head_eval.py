@@ -185,7 +185,7 @@ def format_table(report: dict[str, Any]) -> list[str]:
             rows["head/k=5"].append(f"{ratio[0]:6.2f}x  {ratio[1]:6.2f}x | {ratio[2]:7.2f}x  {ratio[3]:5.2f}x  "
                                     f"{ratio[4]:6.2f}x  {ratio[5]:7.2f}x      ")
         for i, (c, cells) in enumerate(rows.items()):
-            lines.append(f"{drafter if i == 0 else '':14} {c:10} | {cells[0]:62} | {cells[1]:62}")
+            lines.append(f"{Path(drafter).name if i == 0 else '':14} {c:10} | {cells[0]:62} | {cells[1]:62}")
     lines.append("sim ver/acc: verified / accepted drafted tokens per proposal, simulated on every logged proposal;")
     lines.append("ver/step, accept, tok/fwd (tokens per target forward), speed-up (plain CPU time / this config's), "
                  "same (outputs identical to plain): engine runs")

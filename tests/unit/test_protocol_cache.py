@@ -58,3 +58,26 @@ def test_put_needs_a_transport_and_get_a_transport_list():
         p.CachePut(**BLOCKS, transport="", handle={})
     with pytest.raises(DeepinferError):
         p.CacheGet(**BLOCKS, transports=[])
+
+
+@pytest.mark.parametrize("override", [
+    {"window_mask": b"\x01"},                              # blocks without window rows, no full_layers
+    {"window_mask": b"\x01", "full_layers": 2},            # full_layers must be fewer than the block's layers
+    {"window_mask": b"\x01\x00", "full_layers": 1},        # one byte per 8 blocks
+    {"window_mask": b"\x04", "full_layers": 1},            # a bit past the last block
+    {"full_layers": -1}, {"full_layers": 3},
+])
+def test_bad_packed_puts_are_invalid_requests(override):
+    msg = CACHE_SAMPLES["CachePut"]
+    with pytest.raises(DeepinferError) as info:
+        p.decode(raw("CachePut", **{**msg.to_dict(), **override}))
+    assert info.value.code == ErrorCode.INVALID_REQUEST
+
+
+def test_a_packed_put_and_reply_round_trip():
+    put = p.CachePut(**BLOCKS, transport="shm", handle={"transport": "shm"}, full_layers=1, window_mask=b"\x02")
+    assert p.decode(p.encode(put)).window_mask == b"\x02"
+    reply = p.CacheGetReply(num_blocks=3, transport="stream", handle={"x": 1}, dram_blocks=3, window_mask=b"\x04")
+    assert p.decode(p.encode(reply)).window_mask == b"\x04"
+    with pytest.raises(DeepinferError):
+        p.CacheGetReply(num_blocks=2, transport="stream", handle={"x": 1}, dram_blocks=2, window_mask=b"\x04")

@@ -121,6 +121,10 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
     passwords = nats_auth.read_passwords(Path(args.passwords_file).read_text()) if args.passwords_file else {}
     if passwords and nats_auth.MONITOR not in passwords:
         raise ValueError("the passwords file has no monitor password (python -m shared.nats_auth env --monitor)")
+    if passwords and args.planner and max(args.planner_max_prefill, args.planner_max_decode) > 0 \
+            and nats_auth.LAUNCHER not in passwords:
+        raise ValueError("--planner-max-* takes the planner's scale requests as the launcher user: the passwords "
+                         "file has none (python -m shared.nats_auth env --monitor --launcher)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
     return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
                        served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,

@@ -13,7 +13,9 @@ role with the permissions of ``shared/nats_auth.py``; each child gets its own in
 only) in its environment (``DEEPINFER_NATS_USER``/``DEEPINFER_NATS_PASSWORD``, never argv, so ``ps`` does not
 show them), the same when respawned; a service started after the server (``spawn_router``, a new worker) adds
 its user by a config reload. On a server the launcher did not start (``nats_url``) and on a node of a NATS
-cluster (its services fail over to other nodes, which know only the role users) children get role users. The launcher's own health check connects as the read-only ``monitor``; clients use
+cluster (its services fail over to other nodes, which know only the role users) children get role users. The
+launcher's own health check connects as the read-only ``monitor``, its answers to the planner's scale requests
+as ``launcher`` (a user of its own server; from the passwords file otherwise); clients use
 ``client_credentials`` / ``connect_client(tenant)``.
 """
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Cluster:
         # user -> password of this run ({} = no auth); never logged, never on a command line
         self.passwords: dict[str, str] = (spec.passwords or nats_auth.generate_passwords(spec.tenants)) \
             if spec.auth else {}
+        if self.passwords and not spec.passwords:   # our own server: the planner's scale desk has its user
+            self.passwords[nats_auth.LAUNCHER] = nats_auth.new_password()
 
     @property
     def http_url(self) -> str:

@@ -7,8 +7,9 @@ Invariants: a role never goes above ``max_workers[role]`` nor below ``min_worker
 ones starting, not the ones draining); a refused request is an ``ErrorReply`` (``overloaded`` at the maximum,
 ``unavailable`` at the minimum) and changes nothing; the reply (an ``Ack`` whose ``detail`` is the role's new
 count) comes as soon as the process is started or signalled: its health is waited for in the background, and a
-worker that fails to start is logged (the planner sees no heartbeat and decides again). The launcher connects as
-the read-only ``monitor`` user, which may take these requests and nothing else.
+worker that fails to start is logged (the planner sees no heartbeat and decides again). The desk connects as the
+``launcher`` NATS user, the only one that may hear these requests (the router the only one that may send them),
+so no other credential can answer the planner with a false count.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class LauncherScaleDesk:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.nc = await self.cluster.connect_as(nats_auth.MONITOR, "launcher-scale")
+        self.nc = await self.cluster.connect_as(nats_auth.LAUNCHER, "launcher-scale")
         await self.nc.subscribe(subjects.launcher_scale(), cb=self.on_scale)
 
     def count(self, role: str) -> int:

@@ -1,8 +1,9 @@
 """NATS users and per-role permissions, generated from ``shared/subjects.py``; nats-server config rendering.
 
 One NATS user per service role (``ROLES``), a read-only ``monitor`` (the launcher's health check, ``deepinfer
-status``) and optional tenant clients ``client-<tenant>``. Every service connects with
-``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
+status``), a ``launcher`` (``deepinfer up`` taking the planner's scale requests: that subject and nothing else,
+so no holder of the monitor's credential can answer them) and optional tenant clients ``client-<tenant>``.
+Every service connects with ``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
 
 Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have
 their role's permissions, except that they may publish heartbeats, KV events, registry entries and cache puts
@@ -42,6 +43,7 @@ from shared.nats_cluster import ROUTE_USER, NatsClusterNode
 
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
+LAUNCHER = "launcher"  # ``deepinfer up``'s answer desk for the planner's scale requests (shared/launcher_scale.py)
 SWITCHABLE = "worker"  # a switchable worker (prefill or decode, ``services/switchable``): both roles' rights
 TENANT_PREFIX = "client-"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs
@@ -186,10 +188,14 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
         tenant = _check_name(user[len(TENANT_PREFIX):], "tenant")
         return Permissions(publish=(S.generate_as(tenant), S.cancel_as(tenant), S.held_as(tenant)),
                            subscribe=_own_inbox(user))
-    if user == MONITOR:  # reads heartbeats and stats; ``deepinfer up`` (as monitor) takes the planner's scale asks
-        return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, S.launcher_scale(),
-                                                                     *_own_inbox(user)), allow_responses=True)
-    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r} or "
+    if user == MONITOR:  # reads heartbeats and stats
+        return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)),
+                           allow_responses=True)
+    if user == LAUNCHER:  # hears the planner's scale requests and answers them, nothing else (an empty allow
+        # list would mean no restriction to nats-server: its own inbox is the one harmless subject to name)
+        return Permissions(publish=_own_inbox(user), subscribe=(S.launcher_scale(), *_own_inbox(user)),
+                           allow_responses=True)
+    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r}, {LAUNCHER!r} or "
                      f"{TENANT_PREFIX}<tenant>")
 
 
@@ -224,7 +230,7 @@ def read_passwords(text: str, tenants: Sequence[str] = ()) -> dict[str, str]:
     """User -> password from ``NATS_PASSWORD_<USER>=<password>`` lines (what ``env`` prints; ``#`` comments and
     blank lines skipped). Every node of a multi-host cluster reads the same file: same users everywhere.
     The route password (``NATS_PASSWORD_ROUTE``, printed by ``env --cluster``) comes back as ``route``."""
-    known = {password_env(u): u for u in [*user_names(tenants, monitor=True), ROUTE_USER]}
+    known = {password_env(u): u for u in [*user_names(tenants, monitor=True), LAUNCHER, ROUTE_USER]}
     found: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -328,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--monitor", action="store_true", help="add the monitor user (deepinfer status)")
     parser.add_argument("--cluster", action="store_true",
                         help="env: add the route password (NATS_PASSWORD_ROUTE) that joins the nodes of a cluster")
+    parser.add_argument("--launcher", action="store_true",
+                        help="env: add the launcher user (deepinfer up --planner --planner-max-*: scale requests)")
     args = parser.parse_args(argv)
     tenants = [t.strip() for t in args.tenants.split(",") if t.strip()]
     if args.what == "compose":
@@ -336,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         passwords = generate_passwords(tenants, monitor=args.monitor)
         if args.cluster:
             passwords[ROUTE_USER] = new_password()
+        if args.launcher:
+            passwords[LAUNCHER] = new_password()
         for name, pw in passwords.items():
             sys.stdout.write(f"{password_env(name)}={pw}\n")
     return 0

@@ -36,6 +36,8 @@ SPOOFS = {  # user -> subjects it must not publish on
                    subjects.load("d", "decode"), subjects.load("p", "prefill")],
     "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.kv_events("d"),
                 subjects.launcher_scale()],
+    "launcher": [subjects.launcher_scale(), subjects.load("x", "decode"), subjects.ctl("d", "probe"),
+                 subjects.GENERATE, "_INBOX.router.x", subjects.decode("d")],
     "router": [subjects.kv_events("r"), subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
@@ -61,7 +63,9 @@ FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     "decode": ["_INBOX.prefill.>", subjects.PREFILL_ALL, subjects.KV_EVENTS],
     "draft": [subjects.LOAD_ALL, subjects.KV_EVENTS, "_INBOX.decode.>"],
     "cache-tier": [subjects.PREFILL_ALL, "_INBOX.router.>"],
-    "monitor": [subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE],
+    "monitor": [subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE,
+                subjects.launcher_scale()],   # a monitor credential cannot answer the planner's scale requests
+    "launcher": [subjects.LOAD_ALL, subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE],
     "router": ["_INBOX.client.>", subjects.PREFILL_ALL],
     # an instance hears only what is addressed to it: not another decode worker's hand-offs (prompts), inbox
     # or control; a tier only its own puts
@@ -97,7 +101,8 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env():
-    passwords = {**nats_auth.generate_passwords(TENANTS), ADMIN: "admin-password",
+    passwords = {**nats_auth.generate_passwords(TENANTS), nats_auth.LAUNCHER: nats_auth.new_password(),
+                 ADMIN: "admin-password",
                  **{u: nats_auth.new_password() for u in INSTANCES}}
     users = [*nats_auth.users({u: p for u, p in passwords.items() if u != ADMIN}, TENANTS),
              NatsUser(ADMIN, passwords[ADMIN])]
@@ -269,12 +274,12 @@ FLOWS = [  # (requester or publisher, responder or subscriber, subject, is a req
     ("worker.worker-0", "decode.decode-0", subjects.decode("decode-0"), True),   # its hand-off as a prefill worker
     ("decode.decode-0", "worker.worker-0", subjects.kv_pull("worker-0", "t9"), True),
     ("worker.worker-0", "cache-tier.cache-0", subjects.cache_put("cache-0", "worker-0"), True),
-    ("router.router", "monitor", subjects.launcher_scale(), True),   # the planner asks `deepinfer up` to scale
+    ("router.router", "launcher", subjects.launcher_scale(), True),   # the planner asks `deepinfer up` to scale
 ]
 
 
 async def test_every_service_flow_is_delivered(env, no_violations):
-    conns = {u: await env.bus(u) for u in (*SERVICES, *INSTANCES, "monitor")}
+    conns = {u: await env.bus(u) for u in (*SERVICES, *INSTANCES, "monitor", "launcher")}
     try:
         for sender, receiver, subject, is_request in FLOWS:
             got: asyncio.Queue = asyncio.Queue()

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from shared import nats_auth, subjects
-from shared.nats_auth import MONITOR, ROLES, NatsUser, Permissions, permissions
+from shared.nats_auth import LAUNCHER, MONITOR, ROLES, NatsUser, Permissions, permissions
 from shared.nats_server import find_nats_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 TENANTS = ["acme", "b-2"]
-ALL_USERS = nats_auth.user_names(TENANTS)
+ALL_USERS = [*nats_auth.user_names(TENANTS), LAUNCHER]
 
 
 def publishers(pattern: str) -> set[str]:
@@ -31,9 +31,12 @@ def test_clients_publish_only_the_client_api_and_hear_only_their_inbox():
     assert permissions("client-acme") == Permissions(
         publish=(subjects.generate_as("acme"), subjects.cancel_as("acme"), subjects.held_as("acme")),
         subscribe=("_INBOX.client-acme.>",))
-    assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),  # `deepinfer up` answers scale asks
-                                               subscribe=(subjects.LOAD_ALL, subjects.launcher_scale(),
-                                                          "_INBOX.monitor.>"), allow_responses=True)
+    assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),
+                                               subscribe=(subjects.LOAD_ALL, "_INBOX.monitor.>"), allow_responses=True)
+    # `deepinfer up` answers the planner's scale asks as the launcher: that subject, its inbox, nothing else
+    assert permissions(LAUNCHER) == Permissions(publish=("_INBOX.launcher.>",),
+                                                subscribe=(subjects.launcher_scale(), "_INBOX.launcher.>"),
+                                                allow_responses=True)
 
 
 def test_only_the_owning_roles_publish_control_traffic():
@@ -74,8 +77,8 @@ def test_subscriptions_follow_the_services():
     for op in subjects.CACHE_OPS:
         assert subscribers(subjects.cache_all(op)) == {"cache-tier"}
     assert subscribers(subjects.ctl_all("stats")) == set(SERVICES)
-    assert {u for u in ALL_USERS if permissions(u, TENANTS).allow_responses} == {*SERVICES, MONITOR}
-    assert subscribers(subjects.launcher_scale()) == {MONITOR}      # the launcher, as the read-only monitor
+    assert {u for u in ALL_USERS if permissions(u, TENANTS).allow_responses} == {*SERVICES, MONITOR, LAUNCHER}
+    assert subscribers(subjects.launcher_scale()) == {LAUNCHER}     # no monitor credential can answer the planner
     assert {u for u in ALL_USERS if subjects.launcher_scale() in permissions(u, TENANTS).publish} == {"router"}
 
 
@@ -256,6 +259,12 @@ def test_cli_auth_flags(monkeypatch, tmp_path):
     env.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in nats_auth.generate_passwords().items()))
     spec = spec_from_args(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1", "--passwords-file", str(env)]))
     assert spec.auth and spec.passwords["router"] and spec.nats_url == "nats://127.0.0.1:1"
+    planner = ["up", "--nats", "nats://127.0.0.1:1", "--passwords-file", str(env), "--planner",
+               "--planner-max-prefill", "2"]
+    with pytest.raises(ValueError, match="launcher"):   # scale requests need the launcher user on that server
+        spec_from_args(build_parser().parse_args(planner))
+    env.write_text(env.read_text() + f"{nats_auth.password_env(LAUNCHER)}={nats_auth.new_password()}\n")
+    assert LAUNCHER in spec_from_args(build_parser().parse_args(planner)).passwords
     monkeypatch.setenv("DEEPINFER_NATS_USER", "client")
     monkeypatch.setenv("DEEPINFER_NATS_PASSWORD", "pw")
     for argv in (["generate", "hi", "--url", "nats://h:1"], ["status", "--url", "nats://h:1"]):

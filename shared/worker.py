@@ -19,7 +19,6 @@ from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect
 from shared.config import WorkerConfig, load_config
-from shared.engine import kv_io
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -28,16 +27,17 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports, make_transport
 from shared.kv.events import KVEventPublisher
-from shared.kv.tier_client import Pulled, TierClient
+from shared.kv.tier_client import TierClient
 from shared.metrics.common import OUTCOME_CANCELLED
 from shared.metrics.server import MetricsServer
 from shared.metrics.worker import WorkerMetrics
 from shared.router_watch import RouterWatch
+from shared.worker_tier import TierMixin
 
 logger = logging.getLogger(__name__)
 
 
-class Worker(Service):
+class Worker(TierMixin, Service):
     """Base of a worker service. Subclasses register their handlers in ``serve_handlers``, and bracket every
     request they accept with ``track`` / ``untrack(outcome)`` (its metrics: ``self.metrics``, served on
     ``metrics_port`` from start to the end of the drain)."""
@@ -167,43 +167,6 @@ class Worker(Service):
                  "tier": self.tier.stats() if self.tier else None, "speculative": spec.stats() if spec else None}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id,
                                                               role=self.config.role, stats=stats)))
-
-    # -- cache tier (shared/kv/tier_client.py; shared/engine/kv_tier.py) ---------------------------------------
-    async def tier_pull(self, prompt: list[int], cache_salt: str, retention: str) -> Pulled | None:
-        """The prompt's reusable blocks that the local prefix cache lacks and the tier holds, or None."""
-        if self.tier is None or not self.tier.alive:
-            return None
-        eng = self.engine
-        first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
-        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_block_shape,
-                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
-                                    kv_io.window_layers(eng))
-
-    def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
-        """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
-        appended to ``imported``), so the request's prefix lookup finds them before anything evicts them."""
-        if pulled is None:
-            return submit
-        eng = self.engine
-
-        def import_then_submit():
-            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
-            return submit()
-        return import_then_submit
-
-    async def tier_write_back(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> None:
-        """Stage a held request's computed blocks from ``first_block`` on for the tier (the caller releases the
-        request's blocks afterwards). Never raises: a write-back that cannot be made is dropped and counted."""
-        if self.tier is None:
-            return
-        eng = self.engine
-        try:
-            ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
-            cache, staged, mask = await self.kv_source(request_id, ids)
-            await self.tier.write_back(cache, staged, hashes, tokens, eng.config.block_size, cache_salt,
-                                       retention, mask, kv_io.full_layers(eng), eng.kv_block_shape)
-        except DeepinferError as err:   # not held (aborted, failed): nothing to write
-            logger.debug("[%s] no write-back: %s", request_id, err)
 
     async def kv_source(self, request_id: str, ids: list[int], next_query: int | None = None):
         """``(cache, rows, window_mask)`` a transport stages the held request's blocks ``ids`` from: the cache

@@ -71,7 +71,7 @@ class DecodeService(Worker):
                 await msg.respond(protocol.encode(protocol.Ack()))
 
         hold = self.tier is not None  # keep the blocks at the end for the write-back
-        written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0  # local: set at the end
+        written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0  # local: set below
         imported: list[int] = []  # blocks pulled from the cache tier (local prefill)
         outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
         try:
@@ -114,11 +114,15 @@ class DecodeService(Worker):
                                                              extra["tier_cached_tokens"])
                                     # blocks it found cached (device prefix cache, tier) were written back by
                                     # whoever computed them: only what this request computed goes to the tier
-                                    written_from = out.num_cached_tokens // eng.config.block_size
+                                    written_from = max(written_from, out.num_cached_tokens // eng.config.block_size)
                                 await self.publish_output(req.reply_to, seq, out, extra)
                                 await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
                             else:
                                 await self.publish_output(req.reply_to, seq, out)
+                                if seq == 0 and not handoff and hold:  # the prompt, while its window is held
+                                    written_from = await self.tier_write_back_prompt(
+                                        rid, out.num_cached_tokens // eng.config.block_size, req.cache_salt,
+                                        req.retention)
                             seq += 1
             except TimeoutError:
                 raise DeepinferError(ErrorCode.TIMEOUT, f"the request's deadline passed after {seq} chunks") from None

@@ -88,10 +88,13 @@ def import_tier_blocks(engine: LLMEngine, prompt_token_ids: list[int], cache_sal
     return len(ids)
 
 
-def tier_blocks(engine: LLMEngine, request_id: str, first: int) -> tuple[list[int], BlockChain, list[int]]:
-    """``(block_ids, chain, token_ids)`` of a held (or detached, migrating) request's computed full blocks from
-    index ``first`` on; ``token_ids`` is flat, ``block_size`` per block."""
-    req = engine.held.get(request_id) or engine.detached.get(request_id)
+def tier_blocks(engine: LLMEngine, request_id: str, first: int,
+                running: bool = False) -> tuple[list[int], BlockChain, list[int]]:
+    """``(block_ids, chain, token_ids)`` of a held (or detached, migrating; with ``running`` also a running)
+    request's computed full blocks from index ``first`` on; ``token_ids`` is flat, ``block_size`` per block. A
+    running request's blocks change at the next step: copy them in the same engine command."""
+    req = engine.held.get(request_id) or engine.detached.get(request_id) or \
+        (engine.requests.get(request_id) if running else None)
     if req is None:
         raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
     bs = engine.config.block_size

@@ -190,8 +190,9 @@ class LLMEngine:
                            has_window: list[bool] | None = None) -> int:
         return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv, has_window)
 
-    def tier_blocks(self, request_id: str, first: int = 0) -> tuple[list[int], BlockChain, list[int]]:
-        return kv_tier.tier_blocks(self, request_id, first)
+    def tier_blocks(self, request_id: str, first: int = 0,
+                    running: bool = False) -> tuple[list[int], BlockChain, list[int]]:
+        return kv_tier.tier_blocks(self, request_id, first, running)
 
     def set_kv_event_sink(self, sink) -> None:
         """``sink(kind, hashes)`` hears every prefix-cache change (set before stepping starts)."""

@@ -70,3 +70,25 @@ async def test_a_sliding_window_model_is_exact_through_hand_off_and_tier(nats_se
     ids = tokenizer.encode("hello world is the world")
     assert ids[0] == 2 and ids.count(2) == 1                      # Gemma's <bos>, once
     assert by_text == reference_outputs(gguf_path, [ids], 8)[0]
+
+
+async def test_a_local_prefill_writes_its_prompt_back_while_the_window_holds_its_end(nats_server, gguf_path,
+                                                                                   tmp_path):
+    """A decode worker that prefilled a prompt itself writes it back at its first token: a later prompt sharing the
+    document but not the question is then served from the tier (at the request's end the window has moved on by
+    the answer and no longer holds the rows such a hit needs)."""
+    doc = [2] + [(13 * j) % 40 + 270 for j in range(44)]
+    first, second = doc + [301, 302, 303, 304], doc + [305, 306, 307, 308]
+    expected = reference_outputs(gguf_path, [second], TOKENS)[0]
+    async with InProcessCluster(nats_server.url, gguf_path, prefill=1, decode=1, transports="shm,stream",
+                                tier_dir=tmp_path) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            await generate(nc, request(first, "a", "local"))
+            for w in cluster.workers:
+                w.engine.block_manager.reset_prefix_cache()
+            got, _, usage = await generate(nc, request(second, "b", "local"))
+        finally:
+            await nc.close()
+    assert got == expected
+    assert usage["tier_cached_tokens"] >= 40, usage       # 5 of the shared 45 tokens' blocks (block size 8)

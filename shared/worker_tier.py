@@ -53,17 +53,23 @@ class TierMixin:
 
     async def tier_write_back_prompt(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> int:
         """With KV groups: stage a running request's computed blocks from ``first_block`` on (its prompt, at its
-        first token) for the tier while its window still holds the prompt's end, so a later prompt sharing the
-        text but not its last words can be hit (by the request's end the window has moved on). Blocks and their
-        packed copy come from one engine command. Returns the block index written up to (``first_block`` when
-        nothing was: no tier, no KV groups)."""
+        first token) for the tier with the window of the prompt's end (added with ``pin_prompt_window``, which this
+        lifts), so a later prompt sharing the text but not its last words can be hit (by the request's end, or
+        even its first decode step, the window has moved on). Blocks and their packed copy come from one engine
+        command. Returns the block index written up to (``first_block`` when nothing was: no tier, no KV
+        groups)."""
         eng = self.engine
         if self.tier is None or not eng.has_kv_groups:
             return first_block
 
         def stage():
-            ids, chain, tokens = eng.tier_blocks(request_id, first_block, running=True)
-            return ids, chain, tokens, *eng.kv_source(request_id, ids)
+            req = eng.requests.get(request_id)
+            try:
+                ids, chain, tokens = eng.tier_blocks(request_id, first_block, running=True)
+                return ids, chain, tokens, *eng.kv_source(request_id, ids)
+            finally:
+                if req is not None:
+                    req.window_pin = None   # copied (or nothing to copy): the window moves on
         try:
             ids, chain, tokens, cache, rows, mask = await self.aengine.call(stage)
         except DeepinferError as err:   # ended or aborted meanwhile

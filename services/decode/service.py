@@ -89,8 +89,9 @@ class DecodeService(Worker):
             else:
                 await ack()  # accepted now: an engine step in progress may take seconds to end
                 pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
+                pin = hold and self.tier is not None  # the prompt's window, for its write-back at the first token
                 submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
-                    req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold), imported)
+                    req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold, pin_prompt_window=pin), imported)
                 seq, extra = 0, {}
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
             try:

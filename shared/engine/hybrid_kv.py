@@ -152,10 +152,20 @@ class HybridBlockManager:
         """How many leading blocks the hit rule would reuse now (read-only: no stats)."""
         return len(self._largest_hit(request, len(request.block_hashes), None))
 
+    def pinned(self, request: Request, q0: int) -> int:
+        """``q0``, or, for a request with a ``window_pin`` (the start of its prompt's last prefill chunk) decoding
+        less than a window past its prompt, the pin: it keeps the window rows its prefill left (what a prefill
+        worker's write-back carries) until its worker has copied the prompt for the tier and lifted the pin. A
+        pin nobody lifts lapses a window after the prompt, so it costs at most ``ceil(window / bs)`` blocks more
+        than the prefill held, briefly."""
+        pin, prompt = request.window_pin, request.num_prompt_tokens
+        return min(q0, pin) if pin is not None and prompt <= q0 < prompt + self.window else q0
+
     def has_room(self, request: Request, total: int) -> bool:
         """Whether the request could grow to ``total`` tokens now (both pools)."""
         return (self.full.can_allocate(request, total)
-                and self.win.can_allocate(request, total, (), self.drop(request.num_computed_tokens)))
+                and self.win.can_allocate(request, total, (),
+                                          self.drop(self.pinned(request, request.num_computed_tokens))))
 
     # -- mutations -------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: HybridHits | tuple = (),
@@ -166,7 +176,9 @@ class HybridBlockManager:
         hits = computed_blocks if isinstance(computed_blocks, HybridHits) else HybridHits([], [])
         start = request.num_computed_tokens + len(hits) * self.block_size
         total = start + num_new_tokens
-        skip = self.drop(start if q0 is None else q0)
+        if request.window_pin is not None and start < request.num_prompt_tokens:
+            request.window_pin = start          # a prefill chunk: the pin follows it to the prompt's last one
+        skip = self.drop(self.pinned(request, start) if q0 is None else q0)
         if not (self.full.can_allocate(request, total, hits.full)
                 and self.win.can_allocate(request, total, hits.window, skip)):
             return None

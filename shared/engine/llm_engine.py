@@ -91,10 +91,13 @@ class LLMEngine:
                                  "max_num_batched_tokens)")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str = "", hold_kv: bool = False, continues: bool = False) -> str:
+                    cache_salt: str = "", hold_kv: bool = False, continues: bool = False,
+                    pin_prompt_window: bool = False) -> str:
         """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``release_held``).
         ``continues``: its length stop is not the stream's end (a prefill worker's first token; the decode
-        worker goes on), so text held back for an incomplete UTF-8 character is not flushed as U+FFFD."""
+        worker goes on), so text held back for an incomplete UTF-8 character is not flushed as U+FFFD.
+        ``pin_prompt_window``: with SWA-aware KV, keep the window rows the prompt's prefill left until the caller
+        lifts it (``Request.window_pin``; ``HybridBlockManager.pinned``), for a copy of the prompt to the tier."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
@@ -104,6 +107,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder()
         req.hold_kv, req.flush_text = hold_kv, not continues
+        if pin_prompt_window and self.has_kv_groups:
+            req.window_pin = 0       # follows the prefill chunks (HybridBlockManager.allocate_slots)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

@@ -51,7 +51,7 @@ class RequestStats:
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
-                 "stats", "generator", "output_text", "detokenizer", "hold_kv", "spec_token_ids",
+                 "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
                  "spec_features", "flush_text")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -74,6 +74,7 @@ class Request:
         self.output_text = ""
         self.detokenizer = None  # set by the engine when stop strings or text output are needed
         self.hold_kv = False  # keep blocks after finishing until released (prefill → decode hand-off)
+        self.window_pin: int | None = None  # SWA-aware KV keeps the window its prefill left (hybrid_kv.py)
         self.spec_token_ids: list[int] = []  # drafted tokens verified this step (after all_token_ids)
         self.spec_features: list = []  # their TokenFeatures (acceptance log)
         self.update_block_hashes()

@@ -10,7 +10,7 @@ from shared import protocol
 from shared.client import generate
 from tests.gemma_factory import gemma_config, gemma_weights, write_gemma_gguf
 from tests.integration.conftest import connect
-from tests.integration.services_harness import InProcessCluster, reference_outputs
+from tests.integration.services_harness import InProcessCluster, reference_outputs, wait_until
 
 TOKENS = 24
 
@@ -85,10 +85,14 @@ async def test_a_local_prefill_writes_its_prompt_back_while_the_window_holds_its
         nc = await connect(nats_server.url)
         try:
             await generate(nc, request(first, "a", "local"))
+            written = lambda: cluster.tier.ledger.as_dict()["total"]["blocks_written"]   # noqa: E731
+            # write-backs are sent in the background: the prompt's 6 blocks and the answer's 3, or all 9 at the end
+            assert await wait_until(lambda: written() >= 9, timeout=30.0), written()
             for w in cluster.workers:
                 w.engine.block_manager.reset_prefix_cache()
             got, _, usage = await generate(nc, request(second, "b", "local"))
         finally:
             await nc.close()
+        stats = [(w.config.worker_id, w.tier.stats()) for w in cluster.workers], cluster.tier.ledger.as_dict()
     assert got == expected
-    assert usage["tier_cached_tokens"] >= 40, usage       # 5 of the shared 45 tokens' blocks (block size 8)
+    assert usage["tier_cached_tokens"] >= 40, (usage, stats)   # 5 of the shared 45 tokens' blocks (block size 8)

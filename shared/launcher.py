@@ -213,7 +213,12 @@ class Cluster:
                 *(("cache-tier", self.service_id("cache", i)) for i in range(s.cache_tier)),
                 *((worker or "prefill", self.worker_id("prefill", i)) for i in range(s.prefill)),
                 *((worker or "decode", self.worker_id("decode", i)) for i in range(s.decode)),
-                *(("draft", self.service_id("draft", i)) for i in range(drafts))]
+                *(("draft", self.service_id("draft", i)) for i in range(drafts)),
+                # the planner's workers to come: a user added later reloads the server's config, which voids
+                # the replies its clients still owe (a KV pull under way)
+                *((role, self.worker_id(role, i)) for role, have, most in
+                  (("prefill", s.prefill, s.planner_max_prefill), ("decode", s.decode, s.planner_max_decode))
+                  if self.scales for i in range(have, most))]
 
     def respawn_router(self) -> None:
         """Start the router again under the same id and flags after its process exited (e.g. ``kill("router")``);

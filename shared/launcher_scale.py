@@ -47,25 +47,39 @@ class LauncherScaleDesk:
     async def on_scale(self, msg) -> None:
         try:
             order = protocol.decode(msg.data, protocol.ScaleRequest)
-            count = self.grow(order.role) if order.delta > 0 else self.shrink(order.role)
-            if msg.reply:
-                await msg.respond(protocol.encode(protocol.Ack(detail=str(count))))
+            start = self.reserve(order.role) if order.delta > 0 else None
+            count = self.count(order.role) if start is not None else self.shrink(order.role)
+            if msg.reply:   # before the start: a new worker's NATS user may reload the server's config, which
+                await msg.respond(protocol.encode(protocol.Ack(detail=str(count))))  # voids pending replies
+            if start is not None:
+                self.start_reserved(order.role, start)
         except DeepinferError as err:
             logger.info("scale request refused: %s", err)
             await reply_error(self.nc, msg, err)
 
-    def grow(self, role: str) -> int:
-        """Start ``role``'s next worker; the role's new count."""
+    def reserve(self, role: str) -> int:
+        """Count ``role``'s next worker in (``OVERLOADED`` at the maximum); its index, for ``start_reserved``."""
         if self.count(role) >= self.max_workers.get(role, 0):
             raise DeepinferError(ErrorCode.OVERLOADED, f"{role} is at its maximum of "
                                  f"{self.max_workers.get(role, 0)} workers")
         index = max(self.indices[role], default=-1) + 1
         while self.cluster.worker_id(role, index) in self.cluster.procs:  # never reuse an id: its log, KV events
             index += 1
-        name = self.cluster.spawn_worker(role, index)
         self.indices[role].append(index)
+        return index
+
+    def start_reserved(self, role: str, index: int) -> None:
+        try:
+            name = self.cluster.spawn_worker(role, index)
+        except Exception:
+            self.indices[role].remove(index)
+            raise
         logger.info("planner asked for a %s worker: started %s", role, name)
         self._spawn(self._watch_start(role, index, name))
+
+    def grow(self, role: str) -> int:
+        """Start ``role``'s next worker; the role's new count."""
+        self.start_reserved(role, self.reserve(role))
         return self.count(role)
 
     def shrink(self, role: str) -> int:

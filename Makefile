@@ -22,7 +22,7 @@ $(STAMP): requirements.lock pyproject.toml Makefile
 	touch $(STAMP)
 
 run: venv
-	$(PY) -m services.cli up --demo
+	$(PY) -m cli up --demo
 
 test: venv
 	./scripts/run_tests.sh $(PY)

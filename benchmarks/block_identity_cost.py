@@ -34,8 +34,8 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import hash_prompt_blocks
-from shared.sched.kv_index import KVIndex
-from shared.sched.types import CostModel
+from services.router.policy.kv_index import KVIndex
+from services.router.policy.types import CostModel
 
 BLOCK, FP, LENGTHS = 16, "0123456789abcdef0123456789abcdef", (1024, 4096, 32768)
 

@@ -43,7 +43,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.kv.store import DTYPE_SIZES, StoreConfig, StoredBlock, TieredBlockStore
+from services.cache_tier.store import DTYPE_SIZES, StoreConfig, StoredBlock, TieredBlockStore
 
 LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM = 30, 3, 16, 64      # SmolLM2-135M, block size 16
 DTYPE = "float32"

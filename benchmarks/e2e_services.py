@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 from shared import protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig

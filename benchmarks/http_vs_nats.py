@@ -21,7 +21,7 @@ from shared import protocol
 from shared.bus import connect
 from benchmarks.e2e_services import nats_pass
 from shared.http_client import stream_events
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
 logger = logging.getLogger("bench.http_vs_nats")

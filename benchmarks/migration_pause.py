@@ -31,7 +31,7 @@ from benchmarks.tier_ttft import long_prompt
 from shared import protocol, subjects
 from shared.bus import connect
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 DECODERS = ("decode-0", "decode-1")
 

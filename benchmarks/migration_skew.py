@@ -23,7 +23,7 @@ from benchmarks.tier_ttft import long_prompt
 from shared import protocol
 from shared.bus import connect
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 
 def pct(values: list[float], q: float) -> float:

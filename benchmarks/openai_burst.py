@@ -126,9 +126,9 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
 async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run the burst, stop.
     ``cpu``: each process's (user, system) CPU seconds during the burst (the served path's breakdown)."""
-    from services import cli_up
-    from services.cli import build_parser
-    from shared.launcher import Cluster
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
 
     args = build_parser().parse_args(["up", "--http-port", "0", "--cache-tier-dir", "", *shlex.split(flags)])
     spec = cli_up.spec_from_args(args, log.info)

@@ -23,9 +23,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from shared.kv.block_hash import hash_prompt_blocks
 from shared.protocol import KVEvent
-from shared.sched.kv_index import KVIndex
-from shared.sched.policies import POLICIES, make_policy
-from shared.sched.types import ClusterView, RequestInfo, WorkerView
+from services.router.policy.kv_index import KVIndex
+from services.router.policy.policies import POLICIES, make_policy
+from services.router.policy.types import ClusterView, RequestInfo, WorkerView
 
 BLOCK, WORKERS, FAMILIES, PREFIX_BLOCKS, CONV_BLOCKS, REPLICAS = 16, 64, 128, 16, 48, 2
 MODEL = "0123456789abcdef0123456789abcdef"  # a model fingerprint (shared/model/fingerprint.py)

@@ -23,7 +23,7 @@ from benchmarks.tier_ttft import long_prompt
 from shared import protocol, subjects
 from shared.bus import connect
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 
 async def stream(nc, prompt: list[int], rid: str, new_tokens: int) -> dict:

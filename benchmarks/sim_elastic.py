@@ -1,7 +1,7 @@
 """Elastic disaggregated cluster in the simulator: does live migration + the online P:D planner beat a fixed split?
 
 For the Mooncake trace at each ``--speeds`` arrival rate and for the shifting chat -> agent -> chat workload
-(``shared/sched/workloads.py``), one run each on ``--workers`` workers (``--prefill`` of them prefill):
+(``simulator/workloads.py``), one run each on ``--workers`` workers (``--prefill`` of them prefill):
 
 - ``fixed``: the split as configured, plain simulator (the evaluation tick alone changes nothing: a stream
   handed off to a busy decode worker joins its batch at the next step boundary, tick or not);
@@ -34,10 +34,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.traces import DEFAULT_TRACE_HELP, resolve_trace
-from shared.sched.simulator import (MigrationConfig, PlannerConfig, TraceRequest, distinct_blocks, load_trace,
+from cli.traces import DEFAULT_TRACE_HELP, resolve_trace
+from simulator.simulate import (MigrationConfig, PlannerConfig, TraceRequest, distinct_blocks, load_trace,
                                     simulate)
-from shared.sched.workloads import shifting_workload
+from simulator.workloads import shifting_workload
 
 
 def attainment(res: dict) -> tuple[float, float]:

@@ -24,7 +24,7 @@ import aiohttp
 
 from benchmarks.e2e_services import pct
 from benchmarks.engine_throughput import load_prompt_set
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 KEYS = "key-stall=stall,key-calm=calm"
 

@@ -24,7 +24,7 @@ from benchmarks.engine_throughput import load_prompt_set
 from shared import protocol
 from shared.bus import connect
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 
 async def ttft(nc, req: protocol.GenerateRequest, tenant: str) -> tuple[float, int]:

@@ -16,11 +16,11 @@ import asyncio
 import json
 import logging
 
-from benchmarks.replay import metrics_from_replay, replay, scaled_requests
-from benchmarks.traces import resolve_trace
+from cli.replay import metrics_from_replay, replay, scaled_requests
+from cli.traces import resolve_trace
 from shared.bus import connect
-from shared.launcher import Cluster, ClusterSpec
-from shared.sched.simulator import load_trace
+from cli.launcher import Cluster, ClusterSpec
+from simulator.simulate import load_trace
 
 
 async def one_run(reqs, args, tier: int) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 from shared import protocol
 from shared.bus import connect
 from shared.client import generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
 

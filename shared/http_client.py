@@ -6,7 +6,7 @@ raises ``DeepinferError`` for an error status or an ``{"error": ...}`` event, wi
 the router it asked is gone (connection refused or dropped before a response: a router killed mid-request) or
 answers 503 (draining); a request that got any other answer, even an error, is never sent twice. A retry
 generates again from the prompt: greedy and seeded outputs are the same, and the dead router's workers stop its
-copy within ``router_dead_after_s`` (``shared/router_watch.py``). An HTTP *stream* cannot move between routers:
+copy within ``router_dead_after_s`` (``services/worker/router_watch.py``). An HTTP *stream* cannot move between routers:
 its client sees the connection drop (the NATS client, ``shared/client.py``, resumes streams instead)."""
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from shared.nats_cluster import ROUTE_USER, NatsClusterNode
 
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
-LAUNCHER = "launcher"  # ``deepinfer up``'s answer desk for the planner's scale requests (shared/launcher_scale.py)
+LAUNCHER = "launcher"  # ``deepinfer up``'s answer desk for the planner's scale requests (cli/launcher_scale.py)
 SWITCHABLE = "worker"  # a switchable worker (prefill or decode, ``services/switchable``): both roles' rights
 TENANT_PREFIX = "client-"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs

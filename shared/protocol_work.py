@@ -76,7 +76,7 @@ class PrefillRequest(WireModel, _SamplingChecks):
     deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
     retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
     model_fingerprint: str = ""     # the build the router placed it for (shared/model/fingerprint.py)
-    router_id: str = ""             # the router relaying the stream ("" = none watched; shared/router_watch.py)
+    router_id: str = ""             # the router relaying the stream ("" = none watched; services/worker/router_watch.py)
     router_instance: str = ""       # that router process's LoadReport.instance: another one = the relay is gone
 
     def _check(self) -> None:

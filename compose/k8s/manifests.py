@@ -29,7 +29,15 @@ from unittest import mock
 
 import yaml
 
-from shared.config import CacheTierConfig, DraftConfig, RouterConfig, WorkerConfig, load_config
+from services.cache_tier.config import CacheTierConfig
+
+from services.draft.config import DraftConfig
+
+from services.router.config import RouterConfig
+
+from services.worker.config import WorkerConfig
+
+from shared.config import load_config
 from shared.nats_auth import password_env
 
 ROOT = Path(__file__).resolve().parents[2]

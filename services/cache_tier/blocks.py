@@ -19,7 +19,7 @@ import torch
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
-from shared.kv.store import StoredBlock
+from services.cache_tier.store import StoredBlock
 from shared.kv.transport import handle_meta, parse_dtype
 
 

@@ -1,4 +1,4 @@
-"""Cache-tier service: one block store (DRAM in front of an SSD directory, ``shared/kv/store``) served over
+"""Cache-tier service: one block store (DRAM in front of an SSD directory, ``services/cache_tier/store``) served over
 NATS on ``subjects.cache(op, tier_id)``, with its holdings published as KV events (tier ``cache_tier``).
 
 - ``put`` (``subjects.cache_put(tier_id, writer)``): fetch the worker's staged KV through the named transport,
@@ -30,14 +30,15 @@ import time
 from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
-from shared.config import CacheTierConfig, load_config
+from services.cache_tier.config import CacheTierConfig
+from shared.config import load_config
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.events import KVEventPublisher
+from shared.kv_events import KVEventPublisher
 from shared.kv.registry import available_transports, make_transport
-from shared.kv.store import RetentionPolicy, StoreConfig, TieredBlockStore
-from shared.kv.store.dram_reserve import reserve_heap
+from services.cache_tier.store import RetentionPolicy, StoreConfig, TieredBlockStore
+from services.cache_tier.store.dram_reserve import reserve_heap
 from shared.kv.transport_choice import common_transport
-from shared.metrics.cache_tier import CacheTierMetrics
+from services.cache_tier.metrics import CacheTierMetrics
 from shared.metrics.server import MetricsServer
 from services.cache_tier.blocks import check_put_handle, fits, to_blocks, to_payload, window_mask
 from services.cache_tier.ledger import TierLedger

@@ -1,6 +1,6 @@
 """``python -m services.decode [--flags]``: run one decode worker."""
 from services.decode.service import DecodeService
-from shared.worker import main_for
+from services.worker.base import main_for
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,7 @@ is refused with ``model_mismatch`` before anything is fetched; a hand-off is ack
 this worker's cache (or queued for local recompute), so the prefill side may free its copy; every admitted
 request ends with exactly one final chunk (finish reason + usage, or an error: ``timeout`` once the request's
 ``deadline_s`` has passed); cancel aborts the request in the engine and frees its blocks, and so does the death of
-the router relaying its stream (``shared/router_watch.py``).
+the router relaying its stream (``services/worker/router_watch.py``).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.transport import handle_meta
 from shared.metrics.common import OUTCOME_FINISHED
-from shared.metrics.worker import FINISH_REASONS, OUTCOME_MIGRATED
-from shared.worker import Worker, sampling_params
+from services.worker.metrics import FINISH_REASONS, OUTCOME_MIGRATED
+from services.worker.base import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ import torch
 from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
-from shared.config import DraftConfig, load_config
+from services.draft.config import DraftConfig
+from shared.config import load_config
 from shared.engine.config import EngineConfig
-from shared.metrics.draft import DraftMetrics
+from services.draft.metrics import DraftMetrics
 from shared.metrics.server import MetricsServer
 from shared.model.llama import LlamaModel
 from shared.model.loader import load_model_files

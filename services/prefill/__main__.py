@@ -1,6 +1,6 @@
 """``python -m services.prefill [--flags]``: run one prefill worker."""
 from services.prefill.service import PrefillService
-from shared.worker import main_for
+from services.worker.base import main_for
 
 
 def main(argv=None) -> None:

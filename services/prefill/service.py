@@ -17,8 +17,8 @@ import time
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.metrics.common import OUTCOME_FINISHED
-from shared.metrics.worker import OUTCOME_HANDED_OFF
-from shared.worker import Worker, sampling_params
+from services.worker.metrics import OUTCOME_HANDED_OFF
+from services.worker.base import Worker, sampling_params
 
 logger = logging.getLogger(__name__)
 

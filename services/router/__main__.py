@@ -4,7 +4,8 @@ import logging
 import sys
 
 from services.router.service import RouterService
-from shared.config import RouterConfig, load_config
+from services.router.config import RouterConfig
+from shared.config import load_config
 
 
 def main(argv=None) -> None:

@@ -11,7 +11,7 @@ its inflight accounting moves; the client's stream goes on with gap-free ``seq``
 
 Operators (and tests) ask on ``ctl(<router>, "migrate")`` with a ``MigrateRequest`` (client request id, target
 or ""); the reply is an ``Ack`` naming the target, or the error. ``consider`` runs the policy
-(``shared/sched/migration_policy.py``: drain, KV pressure, TPOT, skew) on every decode heartbeat, at most every
+(``services/router/policy/migration_policy.py``: drain, KV pressure, TPOT, skew) on every decode heartbeat, at most every
 ``CONSIDER_EVERY_S``, and carries out its moves in the background.
 
 Invariants: one migration at a time per stream; ``max_inflight`` per router (more: ``overloaded``); the target is
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
-from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
-from shared.sched.placement import choose_transport
+from services.router.policy.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
+from services.router.policy.placement import choose_transport
 from services.router.placement import worker_view
 from services.router.relay import Relay, Stream
 from services.router.workers import WorkerState, WorkerTable

@@ -12,9 +12,9 @@ from collections.abc import Collection
 
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import hash_prompt_blocks
-from shared.sched.placement import place_request
-from shared.sched.policies import make_policy
-from shared.sched.types import ClusterView, CostModel, Reject, RequestInfo, WorkerView
+from services.router.policy.placement import place_request
+from services.router.policy.policies import make_policy
+from services.router.policy.types import ClusterView, CostModel, Reject, RequestInfo, WorkerView
 from services.router.models import ServingModel
 from services.router.workers import WorkerState, WorkerTable
 

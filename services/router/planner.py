@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
-from shared.sched.pd_planner import PlanAction, Planner, PlannerConfig, PoolWorker
-from shared.sched.types import CostModel
+from services.router.policy.pd_planner import PlanAction, Planner, PlannerConfig, PoolWorker
+from services.router.policy.types import CostModel
 from services.router.workers import WorkerTable
 
 logger = logging.getLogger(__name__)

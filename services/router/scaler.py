@@ -1,4 +1,4 @@
-"""Deployment scaling for the online P:D planner (``shared/sched/pd_planner.py``): where workers cannot switch
+"""Deployment scaling for the online P:D planner (``services/router/policy/pd_planner.py``): where workers cannot switch
 role, a ``scale`` decision asks the deployment for one prefill or decode worker more or less.
 
 ``Scaler`` is the interface the router's planner calls; ``KubernetesScaler`` implements it with the ``scale``
@@ -209,7 +209,7 @@ class KubernetesScaler(Scaler):
 
 class LauncherScaler(Scaler):
     """``deepinfer up``'s processes: a ``ScaleRequest`` on ``subjects.launcher_scale()`` to the launcher, which
-    starts a worker (or drains its newest one of the role) within its own bounds (``shared/launcher_scale.py``)
+    starts a worker (or drains its newest one of the role) within its own bounds (``cli/launcher_scale.py``)
     and answers with the role's new count. No answer within ``timeout_s`` (no launcher: an external
     deployment): ``UNAVAILABLE``."""
 

@@ -29,8 +29,8 @@ from shared.host_identity import host_id
 from shared import protocol, subjects
 from shared.bus import Service, ServiceRuntime, connect
 from shared.accounting import Ledger, Prices
-from shared.config import RouterConfig, parse_weights
-from shared.kv.store.retention import RetentionPolicy
+from services.router.config import RouterConfig, parse_weights
+from shared.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.http_api import HttpApi
 from services.router.metrics import RouterMetrics
@@ -43,8 +43,8 @@ from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, TenantLimit
 from services.router.tenancy import tenant_salt
 from services.router.workers import WorkerTable
-from shared.sched.kv_index import KVIndex
-from shared.sched.profiles import get_profile
+from services.router.policy.kv_index import KVIndex
+from services.router.policy.profiles import get_profile
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ import logging
 import sys
 
 from services.switchable.service import SwitchableWorker
-from shared.config import WorkerConfig, load_config
+from services.worker.config import WorkerConfig
+from shared.config import load_config
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ machines (never Python's salted ``hash``).
 
 Invariant: a key is only a hint. Every consumer that *serves* KV confirms a hit by comparing the block's full
 digest and its token ids (the device prefix cache: ``shared/engine/block_manager.py``; the cache tier:
-``shared/kv/store``, which also compares the model fingerprint); the router's KV index compares nothing, so
+``services/cache_tier/store``, which also compares the model fingerprint); the router's KV index compares nothing, so
 a key collision can only mislead placement, never what is served.
 
 Why a 256-bit digest compared on every hit, and not the 64-bit chained hash with the parent compared: with

@@ -13,7 +13,7 @@ import msgpack
 
 from shared import protocol, subjects
 from shared.client import generate
-from shared.launcher import ClusterSpec
+from cli.launcher import ClusterSpec
 
 PROBE_TIMEOUT_S = 20.0
 GOOD_MAX_TOKENS = 16

@@ -9,7 +9,7 @@ from pathlib import Path
 import nats
 
 from shared import protocol, subjects
-from shared.launcher import Cluster
+from cli.launcher import Cluster
 from tests.chaos.harness import chaos_cluster
 from tests.model_factory import write_tiny_hf_folder
 

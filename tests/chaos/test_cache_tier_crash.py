@@ -30,7 +30,7 @@ from nats import errors as nats_errors
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError
-from shared.kv.store.record import PREFIX_BYTES, RecordHeader, scan_segment
+from services.cache_tier.store.record import PREFIX_BYTES, RecordHeader, scan_segment
 from shared.kv.transport_stream import StreamTransport
 from tests.chaos.tier_process import TierProcess, store_stats
 from tests.integration.conftest import connect, start_nats_server

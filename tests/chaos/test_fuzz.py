@@ -28,7 +28,7 @@ import msgpack
 import pytest
 
 from shared.client import generate
-from shared.launcher import Cluster
+from cli.launcher import Cluster
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine

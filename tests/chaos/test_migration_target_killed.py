@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from shared import protocol, subjects
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 from tests.chaos.harness import LoadWatcher, make_prompt, reference, stream_request
 from tests.integration.conftest import connect, start_nats_server
 from tests.model_factory import write_tiny_hf_folder

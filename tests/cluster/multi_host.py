@@ -44,7 +44,7 @@ class MultiHostCluster:
     def node_argv(self, name: str) -> list[str]:
         others = [self.hosts.address(h) for h in self.roles if h != name]
         pin = ["taskset", "-c", self.cpus[name]] if name in self.cpus else []
-        return [*pin, sys.executable, "-m", "services.cli", "--log-level", "INFO", "node", "--name", name,
+        return [*pin, sys.executable, "-m", "cli.main", "--log-level", "INFO", "node", "--name", name,
                 "--join", ",".join(others), "--passwords-file", str(self.passwords_file),
                 *(["--model", str(self.model)] if self.model else []), "--dtype", self.dtype, "--kv-cache-mb", "32",
                 "--store-dir", str(self.work / f"js-{name}"), "--log-dir", str(self.work / f"logs-{name}"), "--cache-tier-dir", str(self.work / "tier"),

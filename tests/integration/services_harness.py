@@ -9,7 +9,9 @@ from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from services.router.service import RouterService
 from services.switchable.service import SwitchableWorker
-from shared.config import CacheTierConfig, RouterConfig, WorkerConfig
+from services.cache_tier.config import CacheTierConfig
+from services.router.config import RouterConfig
+from services.worker.config import WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams

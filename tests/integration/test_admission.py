@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 
-from shared.launcher import Cluster, ClusterSpec
-from services.cli import build_parser
+from cli.launcher import Cluster, ClusterSpec
+from cli.main import build_parser
 from shared import protocol
-from shared.config import RouterConfig, load_config
+from services.router.config import RouterConfig
+from shared.config import load_config
 from shared.errors import DeepinferError, ErrorCode
 from tests.integration.services_harness import InProcessCluster, generate_once, reference_outputs
 from tests.model_factory import write_tiny_hf_folder

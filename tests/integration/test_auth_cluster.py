@@ -11,8 +11,8 @@ import pytest
 from shared import nats_auth, protocol, subjects
 from shared.client import generate
 from shared.errors import DeepinferError, ErrorCode
-from shared.launcher import Cluster, ClusterSpec
-from shared.status import collect
+from cli.launcher import Cluster, ClusterSpec
+from cli.status import collect
 from tests.model_factory import write_tiny_hf_folder
 
 

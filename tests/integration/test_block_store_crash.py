@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from shared.kv.block_hash import hash_prompt_blocks
-from shared.kv.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
-from shared.kv.store.record import PREFIX_BYTES
+from services.cache_tier.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
+from services.cache_tier.store.record import PREFIX_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 BS, PAYLOAD, MIN_ACKS = 16, 96 << 10, 60
@@ -21,7 +21,7 @@ BS, PAYLOAD, MIN_ACKS = 16, 96 << 10, 60
 WRITER = textwrap.dedent("""
     import asyncio, random, sys
     from shared.kv.block_hash import hash_prompt_blocks
-    from shared.kv.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
+    from services.cache_tier.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
 
     def blocks(i):
         tokens = [i * 1000 + t for t in range(4 * 16)]

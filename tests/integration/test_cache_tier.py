@@ -142,7 +142,7 @@ async def test_unknown_retention_class_is_an_invalid_request(nats_server, folder
 
 
 async def test_router_sees_tier_holdings_and_status_reports_accounting(nats_server, folder, expected, tmp_path):
-    from shared import status
+    from cli import status
     from shared.kv.block_hash import hash_prompt_blocks
     from tests.integration.conftest import connect
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from shared.client import generate
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 from nats.js.errors import KeyNotFoundError
 
 from shared import protocol, subjects

@@ -1,4 +1,4 @@
-"""Prometheus /metrics of real service processes (``shared.launcher``): after a few requests through NATS,
+"""Prometheus /metrics of real service processes (``cli.launcher``): after a few requests through NATS,
 each worker's and the cache tier's scrape parses and its counters moved exactly as the requests say. Plus the
 request outcomes nothing else exercises (hand-back on drain, client cancel) on an in-process cluster."""
 import asyncio
@@ -7,7 +7,7 @@ import aiohttp
 
 from shared import protocol
 from shared.client import generate, generate_stream
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 from shared.metrics.common import render
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, generate_once, wait_until

@@ -13,7 +13,7 @@ from services.router.service import RouterService
 from shared import protocol
 from shared.client import generate
 from shared.errors import DeepinferError
-from shared.config import RouterConfig
+from services.router.config import RouterConfig
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, all_blocks_free, generate_once, wait_until
 from tests.model_factory import write_tiny_hf_folder
@@ -190,7 +190,7 @@ async def test_no_workers_is_503(nats_server):
 
 
 async def test_up_demo_streams_through_the_http_api(nats_server, folder, capsys):
-    from services.cli_up import http_demo
+    from cli.up import http_demo
 
     async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0, "api_keys": KEYS}) as cluster:
         usage = await http_demo(base_url(cluster), "key-acme-0001")

@@ -10,8 +10,8 @@ import pytest
 from shared import protocol, subjects
 from shared.client import generate
 from shared.errors import DeepinferError, ErrorCode
-from shared.launcher import Cluster, ClusterSpec
-from shared.launcher_scale import LauncherScaleDesk
+from cli.launcher import Cluster, ClusterSpec
+from cli.launcher_scale import LauncherScaleDesk
 from tests.integration.services_harness import reference_outputs
 from tests.model_factory import write_tiny_hf_folder
 

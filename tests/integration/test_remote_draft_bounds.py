@@ -9,7 +9,7 @@ import pytest
 
 from services.draft.service import DraftService
 from shared import protocol, subjects
-from shared.config import DraftConfig
+from services.draft.config import DraftConfig
 from shared.spec.breaker import CircuitBreaker
 from shared.spec.remote import RemoteDrafter, request_for, reply_for
 from shared.spec.types import DraftInput, Proposal

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from services.router.stats import router_stats
-from shared import protocol, status, subjects
+from cli import status
+from shared import protocol, subjects
 from shared.client import generate
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, reference_outputs, wait_until

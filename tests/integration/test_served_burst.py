@@ -15,7 +15,7 @@ from benchmarks.engine_throughput import load_prompt_set
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.launcher import Cluster, ClusterSpec
+from cli.launcher import Cluster, ClusterSpec
 
 pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 64

@@ -11,7 +11,7 @@ import pytest
 
 from services.draft.service import DraftService
 from shared import protocol
-from shared.config import DraftConfig
+from services.draft.config import DraftConfig
 from tests.integration.services_harness import (InProcessCluster, all_blocks_free, generate_once,
                                                 reference_outputs, wait_until)
 from tests.model_factory import write_tiny_hf_folder

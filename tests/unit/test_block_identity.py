@@ -11,8 +11,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_hash
 from shared.kv.block_hash import DIGEST_BYTES, BlockChain, block_key, chain_digests, hash_prompt_blocks
-from shared.kv.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
-from shared.kv.store import record
+from services.cache_tier.store import FakeClock, StoreConfig, StoredBlock, TieredBlockStore
+from services.cache_tier.store import record
 from shared import protocol, subjects
 from tests.tiny_model import tiny_model
 
@@ -121,7 +121,7 @@ def test_records_written_before_identities_decode_to_a_block_no_digest_get_match
     import msgpack
     import zlib
 
-    from shared.kv.store.retention import BlockMeta
+    from shared.retention import BlockMeta
 
     block = StoredBlock(42, [1, 2], "uint8", [4], b"abcd")
     meta_bytes = msgpack.packb([[1, 2], "uint8", [4]])
@@ -161,7 +161,7 @@ async def test_a_tier_reply_of_another_build_is_never_fetched():
     import time
     from types import SimpleNamespace
 
-    from shared.kv.tier_client import TierClient
+    from services.worker.tier_client import TierClient
 
     class FakeNats:
         def __init__(self, reply):

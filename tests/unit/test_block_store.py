@@ -1,4 +1,4 @@
-"""Block store (shared/kv/store): round trips per tier, LRU, write-back, promotion, tenant isolation,
+"""Block store (services/cache_tier/store): round trips per tier, LRU, write-back, promotion, tenant isolation,
 token checks on hash collisions, the `none` class, bad input, and SSD I/O kept off the event loop."""
 import asyncio
 import random
@@ -8,9 +8,9 @@ import pytest
 
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import hash_prompt_blocks
-from shared.kv.store import FakeClock, RetentionPolicy, StoreConfig, StoredBlock, TieredBlockStore
-from shared.kv.store.dram import DramEntry, DramTier
-from shared.kv.store.retention import BlockMeta
+from services.cache_tier.store import FakeClock, RetentionPolicy, StoreConfig, StoredBlock, TieredBlockStore
+from services.cache_tier.store.dram import DramEntry, DramTier
+from shared.retention import BlockMeta
 
 BS = 4                    # tokens per block
 PAYLOAD = 256             # bytes per block: float16[128]

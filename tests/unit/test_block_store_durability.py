@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from shared.config import CacheTierConfig
+from services.cache_tier.config import CacheTierConfig
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.store import FakeClock, StoreConfig, TieredBlockStore
-from shared.kv.store.record import PREFIX_BYTES
+from services.cache_tier.store import FakeClock, StoreConfig, TieredBlockStore
+from services.cache_tier.store.record import PREFIX_BYTES
 from tests.unit.test_block_store import config, make_blocks, open_store
 
 

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from shared.errors import DeepinferError
-from shared.kv.store import FakeClock, RetentionPolicy, TieredBlockStore
-from shared.kv.store.retention import DAY_S
+from services.cache_tier.store import FakeClock, RetentionPolicy, TieredBlockStore
+from shared.retention import DAY_S
 from tests.unit.test_block_store import config, make_blocks, open_store
 
 

@@ -7,9 +7,11 @@ import subprocess
 
 import pytest
 
-from services import cli_node
+from cli import node as cli_node
 from shared import host_identity, nats_auth
-from shared.config import RouterConfig, WorkerConfig, load_config, nats_servers
+from services.router.config import RouterConfig
+from services.worker.config import WorkerConfig
+from shared.config import load_config, nats_servers
 from shared.nats_cluster import NatsClusterNode, route_url
 from shared.nats_server import find_nats_server
 
@@ -90,7 +92,7 @@ def test_node_spec_joins_the_cluster_and_names_its_services():
     assert spec.nats_peers == ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
     assert spec.registry_replicas == 3 and not spec.router and spec.http_port == -1
     assert spec.decode == 2 and spec.prefill == 0 and spec.tier_id == "cache-a-0" and not spec.auth
-    from shared.launcher import Cluster
+    from cli.launcher import Cluster
 
     cluster = Cluster(spec)
     assert cluster.service_id("decode", 1) == "decode-c-1"
@@ -109,7 +111,7 @@ def test_one_vocabulary_for_tiers_and_drafts():
     worker = load_config(WorkerConfig, ["--tier", "cache-b-0"])
     assert worker.cache_tier == "cache-b-0"  # a worker names its tier as deepinfer node --tier does
     assert load_config(WorkerConfig, ["--cache-tier", "cache-b-0"]).cache_tier == "cache-b-0"  # old spelling
-    from services import cli_up
+    from cli import up as cli_up
 
     notes = []
 
@@ -133,9 +135,9 @@ def test_a_node_without_peers_runs_a_standalone_server():
 def test_up_and_node_reserve_the_tier_dram_and_size_the_kv_pool_like_the_engine():
     """``up``/``node`` fault the tiers' DRAM in at start unless told not to, and give each worker the engine's
     1 GiB KV pool (256 MiB preempted a 64-request burst); the tier service itself reserves only when asked."""
-    from services import cli_up
-    from services.cli import build_parser
-    from shared.config import CacheTierConfig
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from services.cache_tier.config import CacheTierConfig
 
     spec = cli_up.spec_from_args(build_parser().parse_args(["up"]), print)
     assert spec.cache_tier_reserve_dram and spec.cache_tier_dram_mb == 1024 and spec.kv_cache_mb == 1024
@@ -152,10 +154,10 @@ def test_up_and_node_reserve_the_tier_dram_and_size_the_kv_pool_like_the_engine(
 def test_up_switchable_and_planner_flags_reach_the_workers_and_the_router(tmp_path):
     """``up --switchable --planner``: workers run ``services.switchable`` as ``worker-<n>`` with their starting
     role, the router gets ``--planner true``; switchable workers with auth need the embedded server."""
-    from services import cli_up
-    from services.cli import build_parser
-    from shared.cluster_spec import ClusterSpec
-    from shared.launcher import Cluster
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.cluster_spec import ClusterSpec
+    from cli.launcher import Cluster
 
     spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--switchable",
                                                             "--planner", "--cache-tier-dir", str(tmp_path)]), print)

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import CacheTierConfig, DraftConfig, RouterConfig, WorkerConfig, load_config
+from services.cache_tier.config import CacheTierConfig
+
+from services.draft.config import DraftConfig
+
+from services.router.config import RouterConfig
+
+from services.worker.config import WorkerConfig
+
+from shared.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
@@ -28,7 +36,7 @@ ENV_EXAMPLE = COMPOSE / ".env.example"
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 USERS = (*ROLES, "monitor")  # nats.conf's users: the roles and the read-only monitor (deepinfer status)
 PASSWORD_VARS = tuple(f"NATS_PASSWORD_{u.upper().replace('-', '_')}" for u in USERS)
-# The module a service runs -> its config class and what its __main__ fixes (shared.worker.main_for: role).
+# The module a service runs -> its config class and what its __main__ fixes (services.worker.base.main_for: role).
 CONFIGS = {
     "services.router": (RouterConfig, {}),
     "services.prefill": (WorkerConfig, {"role": "prefill"}),

@@ -1,4 +1,4 @@
-"""The cache tier's DRAM reservation (shared/kv/store/dram_reserve.py): after it, storing block payloads does not
+"""The cache tier's DRAM reservation (services/cache_tier/store/dram_reserve.py): after it, storing block payloads does not
 page-fault; without it, every page of every new payload faults. Each case runs in a fresh interpreter (the
 allocator settings are process-wide and a used heap would blur the count)."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from shared.kv.store import dram_reserve
+from services.cache_tier.store import dram_reserve
 
 PROBE = r"""
 import json, resource, sys
-from shared.kv.store.dram_reserve import reserve_heap
+from services.cache_tier.store.dram_reserve import reserve_heap
 reserve = int(sys.argv[1])
 done = reserve_heap(reserve)
 block, count = 737280, 64                     # SmolLM2's KV block (float32), 45 MiB of payloads kept

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services.router.fair_gate import FairGate
-from shared.config import parse_weights
+from services.router.config import parse_weights
 from shared.errors import DeepinferError, ErrorCode
 
 

@@ -3,7 +3,7 @@ import pytest
 
 from shared.kv.block_hash import hash_prompt_blocks
 from shared.protocol import KVEvent
-from shared.sched.kv_index import KVIndex
+from services.router.policy.kv_index import KVIndex
 
 BS = 4
 

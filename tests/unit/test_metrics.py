@@ -11,18 +11,19 @@ from prometheus_client.registry import Collector
 
 from services.cache_tier.service import CacheTierService
 from services.decode.service import DecodeService
-from shared.config import CacheTierConfig, WorkerConfig
+from services.cache_tier.config import CacheTierConfig
+from services.worker.config import WorkerConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.speculator import Speculator
-from shared.kv.store import TieredBlockStore
-from shared.kv.tier_client import TierClient
+from services.cache_tier.store import TieredBlockStore
+from services.worker.tier_client import TierClient
 from shared.metrics.common import BoundedLabel, new_registry, render
-from shared.metrics.draft import DraftMetrics
+from services.draft.metrics import DraftMetrics
 from shared.metrics.server import MetricsServer
-from shared.metrics.worker import WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 from shared.spec.prompt_lookup import PromptLookupDrafter
 from tests.tiny_model import tiny_model
 from tests.unit.test_block_store import config as store_config, make_blocks

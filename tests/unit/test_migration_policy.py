@@ -1,6 +1,6 @@
-"""When streams move (shared/sched/migration_policy.py): all of a draining worker's, one per full worker to one
+"""When streams move (services/router/policy/migration_policy.py): all of a draining worker's, one per full worker to one
 with room, the cheapest to move first; bounded per source, no ping-pong, never to the source or a draining one."""
-from shared.sched.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
+from services.router.policy.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
 
 CFG = MigrationConfig(kv_high=0.9, kv_low=0.6, cooldown_s=10.0, per_source=2, min_tokens_left=16, skew_min=0)
 SKEW = MigrationConfig(skew_min=4, skew_ratio=2.0)

@@ -185,7 +185,7 @@ def test_nats_server_accepts_a_generated_config(tmp_path):
 
 # ---- launcher and CLI ---------------------------------------------------------------------------------
 def test_cluster_spec_refuses_auth_it_cannot_provide():
-    from shared.launcher import ClusterSpec
+    from cli.launcher import ClusterSpec
 
     with pytest.raises(ValueError, match="embedded"):
         ClusterSpec(auth=True, nats_url="nats://127.0.0.1:4222", cache_tier=0)
@@ -198,7 +198,7 @@ def test_cluster_spec_refuses_auth_it_cannot_provide():
 def test_children_get_their_instance_credentials_in_the_environment_only(monkeypatch, tmp_path):
     import shutil
 
-    from shared import launcher
+    from cli import launcher
 
     spawned = {}
 
@@ -234,7 +234,7 @@ def test_children_get_their_instance_credentials_in_the_environment_only(monkeyp
 def test_no_auth_cluster_has_no_credentials():
     import shutil
 
-    from shared.launcher import Cluster, ClusterSpec
+    from cli.launcher import Cluster, ClusterSpec
 
     cluster = Cluster(ClusterSpec(cache_tier=0, metrics=False))
     shutil.rmtree(cluster.log_dir, ignore_errors=True)
@@ -243,8 +243,8 @@ def test_no_auth_cluster_has_no_credentials():
 
 
 def test_cli_auth_flags(monkeypatch, tmp_path):
-    from services.cli import build_parser
-    from services.cli_up import run as run_up
+    from cli.main import build_parser
+    from cli.up import run as run_up
 
     args = build_parser().parse_args(["up"])
     assert not args.no_auth and args.tenants == ""
@@ -253,7 +253,7 @@ def test_cli_auth_flags(monkeypatch, tmp_path):
     assert run_up(build_parser().parse_args(["up", "--tenants", "a.b"])) == 2
     # an existing server: its passwords, or an explicit --no-auth (never silently without authentication)
     assert run_up(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1"])) == 2
-    from services.cli_up import spec_from_args
+    from cli.up import spec_from_args
     assert not spec_from_args(build_parser().parse_args(["up", "--nats", "nats://127.0.0.1:1", "--no-auth"])).auth
     env = tmp_path / "cluster.env"
     env.write_text("".join(f"{nats_auth.password_env(u)}={p}\n" for u, p in nats_auth.generate_passwords().items()))

@@ -1,8 +1,8 @@
-"""The online P:D planner (shared/sched/pd_planner.py): what it switches or scales, and the bounds on flapping."""
+"""The online P:D planner (services/router/policy/pd_planner.py): what it switches or scales, and the bounds on flapping."""
 import pytest
 
-from shared.sched.pd_planner import Planner, PlannerConfig, PoolWorker, pressures
-from shared.sched.types import CostModel
+from services.router.policy.pd_planner import Planner, PlannerConfig, PoolWorker, pressures
+from services.router.policy.types import CostModel
 
 COST = CostModel(prefill_b=1e-3)  # 1,000 prompt tokens per second per prefill worker
 CFG = PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, sustain=3, cooldown_s=10.0, dwell_s=60.0)

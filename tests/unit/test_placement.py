@@ -1,10 +1,10 @@
-"""The one rule for where prefill runs and which KV transport a pair uses (shared/sched/placement.py), for
+"""The one rule for where prefill runs and which KV transport a pair uses (services/router/policy/placement.py), for
 every policy: request modes, the local-prefill threshold of load-only policies, transport fallback."""
 import pytest
 
-from shared.sched.placement import choose_transport, place_request
-from shared.sched.policies import make_policy
-from shared.sched.types import ClusterView, Placement, Reject, RequestInfo, WorkerView
+from services.router.policy.placement import choose_transport, place_request
+from services.router.policy.policies import make_policy
+from services.router.policy.types import ClusterView, Placement, Reject, RequestInfo, WorkerView
 
 
 def w(wid, role, host="h1", transports=("shm", "stream"), **kw) -> WorkerView:

@@ -1,8 +1,8 @@
 """Each policy's decision on hand-made cluster states: the exact worker expected."""
 import pytest
 
-from shared.sched.policies import CacheAware, KvCost, LeastLoaded, Predictive, RoundRobin, make_policy
-from shared.sched.types import ClusterView, CostModel, Placement, Reject, RequestInfo, WorkerView
+from services.router.policy.policies import CacheAware, KvCost, LeastLoaded, Predictive, RoundRobin, make_policy
+from services.router.policy.types import ClusterView, CostModel, Placement, Reject, RequestInfo, WorkerView
 
 REQ = RequestInfo("r", num_prompt_tokens=160, block_hashes=tuple(range(10)), max_tokens=16)
 

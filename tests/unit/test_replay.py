@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from benchmarks.replay import block_tokens, metrics_from_replay, scaled_requests
-from shared.sched.simulator import TraceRequest
+from cli.replay import block_tokens, metrics_from_replay, scaled_requests
+from simulator.simulate import TraceRequest
 
 TRACE = [
     {"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [1, 2, 3]},

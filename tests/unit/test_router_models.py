@@ -9,8 +9,8 @@ from services.router.workers import WorkerTable
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.block_hash import hash_prompt_blocks
-from shared.sched.kv_index import KVIndex
-from shared.sched.types import CostModel
+from services.router.policy.kv_index import KVIndex
+from services.router.policy.types import CostModel
 
 A, B = "a" * 32, "b" * 32
 

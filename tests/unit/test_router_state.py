@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from shared.kv.events import KVEventPublisher, _coalesce
+from shared.kv_events import KVEventPublisher, _coalesce
 from services.router.service import RouterService
 from services.router.workers import InflightAccount, WorkerTable
 from shared import protocol
-from shared.config import RouterConfig
+from services.router.config import RouterConfig
 from shared.errors import DeepinferError, ErrorCode
 
 
@@ -171,8 +171,8 @@ def test_tier_pull_cost_is_what_the_workers_measured():
     """Placement prices a cache-tier pull with the workers' measured seconds per block (their mean), and with
     the profile's figure until one has pulled."""
     from services.router.placement import Placer
-    from shared.sched.kv_index import KVIndex
-    from shared.sched.types import CostModel
+    from services.router.policy.kv_index import KVIndex
+    from services.router.policy.types import CostModel
 
     table = WorkerTable(3.0)
     placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3), 0, None)

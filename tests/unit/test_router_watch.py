@@ -1,5 +1,5 @@
-"""RouterLiveness: when a worker considers the router relaying a request gone (shared/router_watch.py)."""
-from shared.router_watch import RouterLiveness
+"""RouterLiveness: when a worker considers the router relaying a request gone (services/worker/router_watch.py)."""
+from services.worker.router_watch import RouterLiveness
 
 
 def test_silence_counts_from_the_last_heartbeat_or_the_start_of_the_watch():

@@ -37,10 +37,11 @@ def test_served_model_name_of_a_folder_is_its_name(tmp_path):
 
 
 def test_up_defaults_to_one_aggregated_worker_on_a_cpu_host_and_names_the_model():
-    from services import cli_up
-    from services.cli import build_parser
-    from shared.config import RouterConfig, load_config
-    from shared.launcher import Cluster
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from services.router.config import RouterConfig
+    from shared.config import load_config
+    from cli.launcher import Cluster
 
     def spec(*flags: str):
         return cli_up.spec_from_args(build_parser().parse_args(["up", "--cache-tier", "0", *flags]), print)

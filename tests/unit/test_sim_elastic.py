@@ -1,5 +1,5 @@
-"""The simulator's elastic cluster (shared/sched/sim_elastic.py): live migration and the online P:D planner run
-on simulated ticks; the shifting workload (shared/sched/workloads.py); the CLI flags; no change when off."""
+"""The simulator's elastic cluster (simulator/elastic.py): live migration and the online P:D planner run
+on simulated ticks; the shifting workload (simulator/workloads.py); the CLI flags; no change when off."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from benchmarks.simulate_cmd import add_parser, run
-from shared.sched.simulator import MigrationConfig, PlannerConfig, TraceRequest, json_line, simulate
-from shared.sched.workloads import Phase, shifting_workload
+from cli.simulate import add_parser, run
+from simulator.simulate import MigrationConfig, PlannerConfig, TraceRequest, json_line, simulate
+from simulator.workloads import Phase, shifting_workload
 
 BS = 512
 PLANNER = PlannerConfig(tpot_slo_s=0.05)  # the simulator's default TPOT SLO; cooldown 30 s, dwell 120 s

@@ -1,4 +1,4 @@
-"""The simulator's step events (shared/sched/sim_engine.py): work reaching a busy decode worker joins its batch at
+"""The simulator's step events (simulator/core.py): work reaching a busy decode worker joins its batch at
 the next step boundary (a hand-off, a live migration), grouping steps into events changes no result, and the
 views the policies get count requests placed on a decode worker that have not arrived yet, as the router's do."""
 from __future__ import annotations
@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from shared.sched import sim_elastic
-from shared.sched.profiles import Profile
-from shared.sched.sim_elastic import Elastic
-from shared.sched.sim_engine import _Sim
-from shared.sched.sim_state import _Req, _Worker
-from shared.sched.sim_tier import SimTier
-from shared.sched.simulator import MigrationConfig, TraceRequest, _make_policy, simulate
-from shared.sched.workloads import shifting_workload
+from simulator import elastic as sim_elastic
+from services.router.policy.profiles import Profile
+from simulator.elastic import Elastic
+from simulator.core import _Sim
+from simulator.state import _Req, _Worker
+from simulator.tier import SimTier
+from simulator.simulate import MigrationConfig, TraceRequest, _make_policy, simulate
+from simulator.workloads import shifting_workload
 
 BS = 16
 STEP = 0.05  # every decode step of HAND, whatever the batch

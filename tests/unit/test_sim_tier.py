@@ -1,4 +1,4 @@
-"""The simulator's cache tier (shared/sched/sim_tier.py): the block store's DRAM + SSD model with retention
+"""The simulator's cache tier (simulator/tier.py): the block store's DRAM + SSD model with retention
 classes on the simulated clock, and its wiring into the simulator (pull costs, hit rates, accounting, CLI)."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from benchmarks.simulate_cmd import add_parser, run
+from cli.simulate import add_parser, run
 from shared.errors import DeepinferError
-from shared.kv.store.retention import RetentionPolicy
-from shared.sched.profiles import PROFILES, get_profile
-from shared.sched.sim_tier import SimTier, TierPrefix
-from shared.sched.simulator import TraceRequest, _make_policy, _Sim, json_line, simulate
+from shared.retention import RetentionPolicy
+from services.router.policy.profiles import PROFILES, get_profile
+from simulator.tier import SimTier, TierPrefix
+from simulator.simulate import TraceRequest, _make_policy, _Sim, json_line, simulate
 
 BS = 512
 POLICY = RetentionPolicy({"long": 100.0, "short": 10.0, "none": 0.0})

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from benchmarks.simulate_cmd import add_parser, run
-from shared.sched.profiles import (LLAMA70B_H200, PROFILES, Profile, calibrate, calibrate_chunks, calibrate_decode,
+from cli.simulate import add_parser, run
+from services.router.policy.profiles import (LLAMA70B_H200, PROFILES, Profile, calibrate, calibrate_chunks, calibrate_decode,
                                    get_profile)
-from shared.sched.simulator import TraceRequest, format_table, json_line, load_trace, simulate
+from simulator.simulate import TraceRequest, format_table, json_line, load_trace, simulate
 
 BS = 512
 

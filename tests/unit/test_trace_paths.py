@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import services
-from benchmarks import traces
-from services.cli import main
+from cli import traces
+from cli.main import main
 
 REPO = Path(services.__file__).resolve().parent.parent
 
@@ -31,8 +31,8 @@ def test_explicit_trace_wins(tmp_path):
 
 
 def test_no_absolute_machine_path_in_the_clis():
-    for name in ("trace_bench.py", "simulate_cmd.py", "traces.py"):
-        assert "/work/" not in (REPO / "benchmarks" / name).read_text()
+    for name in ("bench.py", "simulate.py", "traces.py"):
+        assert "/work/" not in (REPO / "cli" / name).read_text()
 
 
 def _assert_clear_error(capsys, rc: int, path: Path) -> None:

@@ -1,0 +1,1 @@
+"""The `deepinfer` command: every subcommand, the cluster launcher and status."""

@@ -1,0 +1,1 @@
+"""The worker base every prefill and decode worker builds on."""

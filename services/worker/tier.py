@@ -1,0 +1,81 @@
+"""A worker's side of the cache tier (``services/worker/tier_client.py``; the engine's: ``shared/engine/kv_tier.py``):
+pull the blocks a prompt lacks before it is added, write computed blocks back. Mixed into ``services.worker.base.Worker``,
+whose ``engine``, ``aengine``, ``tier`` and ``kv_source`` these use. None of them raises for the tier's sake: a
+pull that fails computes, a write-back that cannot be made is dropped and counted.
+"""
+from __future__ import annotations
+
+import logging
+
+from shared.engine import kv_io
+from shared.errors import DeepinferError
+from services.worker.tier_client import Pulled
+
+logger = logging.getLogger(__name__)
+
+
+class TierMixin:
+    async def tier_pull(self, prompt: list[int], cache_salt: str, retention: str) -> Pulled | None:
+        """The prompt's reusable blocks that the local prefix cache lacks and the tier holds, or None."""
+        if self.tier is None or not self.tier.alive:
+            return None
+        eng = self.engine
+        first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
+        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_block_shape,
+                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
+                                    kv_io.window_layers(eng))
+
+    def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
+        """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
+        appended to ``imported``), so the request's prefix lookup finds them before anything evicts them."""
+        if pulled is None:
+            return submit
+        eng = self.engine
+
+        def import_then_submit():
+            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
+            return submit()
+        return import_then_submit
+
+    async def tier_write_back(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> None:
+        """Stage a held request's computed blocks from ``first_block`` on for the tier (the caller releases the
+        request's blocks afterwards). Never raises: a write-back that cannot be made is dropped and counted."""
+        if self.tier is None:
+            return
+        eng = self.engine
+        try:
+            ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
+            cache, staged, mask = await self.kv_source(request_id, ids)
+            await self.tier.write_back(cache, staged, hashes, tokens, eng.config.block_size, cache_salt,
+                                       retention, mask, kv_io.full_layers(eng), eng.kv_block_shape)
+        except DeepinferError as err:   # not held (aborted, failed): nothing to write
+            logger.debug("[%s] no write-back: %s", request_id, err)
+
+    async def tier_write_back_prompt(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> int:
+        """With KV groups: stage a running request's computed blocks from ``first_block`` on (its prompt, at its
+        first token) for the tier with the window of the prompt's end (added with ``pin_prompt_window``, which this
+        lifts), so a later prompt sharing the text but not its last words can be hit (by the request's end, or
+        even its first decode step, the window has moved on). Blocks and their packed copy come from one engine
+        command. Returns the block index written up to (``first_block`` when nothing was: no tier, no KV
+        groups)."""
+        eng = self.engine
+        if self.tier is None or not eng.has_kv_groups:
+            return first_block
+
+        def stage():
+            req = eng.requests.get(request_id)
+            try:
+                ids, chain, tokens = eng.tier_blocks(request_id, first_block, running=True)
+                return ids, chain, tokens, *eng.kv_source(request_id, ids)
+            finally:
+                if req is not None:
+                    req.window_pin = None   # copied (or nothing to copy): the window moves on
+        try:
+            ids, chain, tokens, cache, rows, mask = await self.aengine.call(stage)
+        except DeepinferError as err:   # ended or aborted meanwhile
+            logger.debug("[%s] no prompt write-back: %s", request_id, err)
+            return first_block
+        if ids and await self.tier.write_back(cache, rows, chain, tokens, eng.config.block_size, cache_salt,
+                                              retention, mask, kv_io.full_layers(eng), eng.kv_block_shape):
+            return first_block + len(ids)
+        return first_block

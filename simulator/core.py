@@ -1,0 +1,312 @@
+"""The simulator's event loop and worker model (``_Sim``), driven by ``shared/sched/simulator.simulate``.
+
+Each worker has a KV cache of ``cap`` blocks (a block is a trace hash id), LRU eviction of unreferenced blocks, a
+FIFO prefill queue (chunked prefill mixed with decode, as the engine's token-budget scheduler) and continuous
+batched decode. Events are ``(time, kind, seq, data)`` in a heap: at equal times a step's end comes before a
+hand-off, and both before an arrival; ``seq`` keeps the order of equal events, so runs are deterministic.
+
+Invariants: a decode-only step event may cover ``k`` steps (up to the next finish, or the first step boundary at
+or after the next elastic tick); work that reaches a busy worker (a placement, a hand-off, a live migration)
+cuts its pending event at the first step boundary at or after the arrival (``join``), so it enters the batch
+at the next step boundary, as in the engine; a cut event is replaced, the old one is stale (``gen``) and
+ignored. A worker's step boundaries do not depend on how its steps are grouped into events, so ticks that
+change nothing change no result. ``elastic`` None (no migration, no planner): no tick.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from bisect import bisect_left
+
+from services.router.policy.placement import place_request
+from services.router.policy.profiles import Profile
+from simulator.state import _Req, _Worker
+from simulator.tier import SimTier
+from simulator.trace import TraceRequest
+from services.router.policy.types import ClusterView, Placement, RequestInfo, WorkerView
+
+# event kinds, in their order at equal times: finish work before taking new arrivals; ticks see it all
+_STEP, _HANDOFF, _ARRIVAL, _MOVED, _START, _TICK = 0, 1, 2, 3, 4, 5
+
+
+class _Sim:
+    def __init__(self, trace, policy, profile: Profile, num_workers: int, prefill_workers: int,
+                 kv_capacity_blocks: int, ttft_slo_s: float | None, tier: SimTier, retention: str,
+                 block_size: int):
+        self.trace, self.policy, self.p, self.bs = trace, policy, profile, block_size
+        self.ttft_slo = ttft_slo_s
+        self.kv_capacity_blocks = kv_capacity_blocks
+        start = trace[0].arrival_s if trace else 0.0
+        roles = ["prefill"] * prefill_workers + (["decode"] if prefill_workers else ["both"]) * num_workers
+        self.workers = [_Worker(i, role, kv_capacity_blocks, start) for i, role in enumerate(roles)]
+        self.by_id = {w.wid: w for w in self.workers}
+        self.tier, self.retention = tier, retention
+        self.tier_hits = {"dram": 0, "ssd": 0}  # blocks pulled from each tier
+        self.cost = profile.cost_model(block_size)
+        self.block_s = profile.block_transfer_s(block_size)
+        self.events: list = []
+        self.seq = 0
+        self.rejected = 0
+        self.done: list[_Req] = []
+        self.hit_blocks = self.local_blocks = self.total_blocks = 0
+        self.now = 0.0
+        self.last_work_s = 0.0  # time of the last event that was not a tick or a worker start
+        self.elastic = None  # sim_elastic.Elastic when migration or the planner is on
+        self.next_tick = math.inf
+        self.view_s = self.place_s = 0.0  # wall seconds building views / in place_request (not in results)
+
+    def push(self, t: float, kind: int, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, self.seq, data))
+
+    # --- arrivals ---------------------------------------------------------------------------------------
+    def view(self, tr: TraceRequest) -> ClusterView:
+        """What the policy sees: every worker taking placements (neither draining nor removed); a decode
+        worker's waiting requests include those placed there whose prefill or hand-off is under way, as the
+        router counts its own placements (``_Worker.num_waiting``)."""
+        views, overlap = [], {}
+        for w in self.workers:
+            if w.draining or w.removed:
+                continue
+            views.append(WorkerView(w.wid, w.role, len(w.running), len(w.queue) + w.incoming,  # w.num_waiting
+                                    w.queued_tokens + w.prefill_left, max(0, w.cap - w.used), w.cap, self.bs))
+            overlap[w.wid] = w.prefix(tr.hash_ids)
+        pre = tuple(v for v in views if v.role in ("prefill", "both"))
+        dec = tuple(v for v in views if v.role == "decode")
+        if not self.tier.enabled:
+            return ClusterView(pre, dec, overlap, 0, self.cost)
+        held = self.tier.prefix(tr.hash_ids, self.now)
+        cost = dataclasses.replace(self.cost, block_transfer_s=held.block_s()) if held.blocks else self.cost
+        return ClusterView(pre, dec, overlap, held.blocks, cost)
+
+    def arrive(self, tr: TraceRequest) -> None:
+        t0 = time.perf_counter()
+        view = self.view(tr)
+        info = RequestInfo(f"r{tr.idx}", tr.input_length, tr.hash_ids, tr.output_length, self.ttft_slo)
+        t1 = time.perf_counter()
+        placed = place_request(self.policy, info, view)
+        self.place_s += time.perf_counter() - t1
+        self.view_s += t1 - t0
+        if not isinstance(placed, Placement):
+            self.rejected += 1
+            return
+        dw = self.by_id[placed.decode_worker]
+        pw = self.by_id[placed.prefill_worker] if placed.prefill_worker else dw
+        hit = max(view.overlap[pw.wid], view.remote_overlap)
+        r = _Req(tr, dw.idx, max(1, tr.input_length - hit * self.bs))
+        if pw is not dw:
+            dw.incoming += 1
+        pw.queue.append(r)
+        pw.queued_tokens += r.est
+        self.join(pw)
+
+    # --- worker steps ------------------------------------------------------------------------------------
+    def join(self, w: _Worker) -> None:
+        """Work reached ``w`` now: an idle worker plans a step; a busy one ends its pending multi-step at the
+        first step boundary at or after now (steps already under way complete), so the work enters the batch
+        there."""
+        if not w.busy:
+            self.plan(w)
+            return
+        ends = w.step_ends
+        j = bisect_left(ends, self.now)
+        if j >= len(ends) - 1:  # the pending event ends at that boundary already
+            return
+        w.gen += 1
+        w.step_ends = ends[:j + 1]
+        self.push(ends[j], _STEP, (w.idx, w.gen, j + 1, (), w.step_decoding))
+
+    def admit(self, w: _Worker) -> _Req | None:
+        """Move the queue's head into the running batch if its blocks fit (FIFO: a head that does not fit
+        waits for running requests to free blocks); None when it must wait."""
+        r = w.queue[0]
+        hashes = r.tr.hash_ids
+        local = w.prefix(hashes)
+        decodes_here = w.role != "prefill" and r.decode_w == w.idx
+        total = -(-(r.tr.input_length + (r.tr.output_length if decodes_here else 0)) // self.bs)
+        total = max(total, len(hashes))
+        need = total - local
+        newly_pinned = sum(1 for h in hashes[:local] if h not in w.pinned)
+        busy_elsewhere = w.pinned or w.private
+        if w.cap - (len(w.pinned) + newly_pinned + w.private) < need and busy_elsewhere:
+            return None
+        w.queue.popleft()
+        w.queued_tokens -= r.est
+        for h in hashes[:local]:
+            w.pin(h)
+        r.pinned, r.private, r.total_blocks, r.local = hashes[:local], need, total, local
+        w.private += need
+        w.evict()
+        if self.tier.enabled:
+            self.pull(r, local)
+        r.hit = max(local, r.hit)
+        r.uncached = max(1, r.tr.input_length - r.hit * self.bs)
+        self.hit_blocks += r.hit
+        self.local_blocks += local
+        self.total_blocks += len(hashes)
+        w.running.append(r)
+        w.prefill_left += r.uncached
+        return r
+
+    def pull(self, r: _Req, local: int) -> None:
+        """``r`` (admitted where it holds ``local`` blocks) pulls the tier's blocks beyond them; its first
+        prefill chunk pays the pull time."""
+        held = self.tier.prefix(r.tr.hash_ids, self.now)
+        if held.blocks > local:
+            r.hit, r.pull_s = held.blocks, held.pull_s(local)
+            r.tier_tokens = held.tokens(local, r.tr.input_length, self.bs)
+            for src, n in self.tier.use(r.tr.hash_ids[local:held.blocks], self.retention, self.now).items():
+                self.tier_hits[src] += n
+
+    def _chunk_s(self, r: _Req, c: int) -> float:
+        ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
+        return self.p.chunk_s(ctx, c) + (r.pull_s if r.done == 0 else 0.0)
+
+    def plan(self, w: _Worker) -> None:
+        """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
+        requests in admission order (a decode takes 1 token, a prefill the rest of its prompt up to the
+        budget; once the budget is spent the rest of the batch waits a step), then queued requests are
+        admitted while budget, blocks and ``max_num_seqs`` allow."""
+        budget = self.p.chunk_tokens
+        chunks: list[tuple[_Req, int]] = []
+        decoding: list[_Req] = []
+        for r in w.running:
+            if budget <= 0:
+                break
+            if r.done < r.uncached:
+                c = min(r.uncached - r.done, budget)
+                chunks.append((r, c))
+                budget -= c
+            else:
+                decoding.append(r)
+                budget -= 1
+        while w.queue and budget > 0 and len(w.running) < self.p.max_num_seqs:
+            r = self.admit(w)
+            if r is None:
+                break
+            c = min(r.uncached, budget)
+            chunks.append((r, c))
+            budget -= c
+        decodes = len(decoding)
+        if not chunks and not decodes:
+            w.busy, w.step_ends, w.step_decoding = False, [], []
+            return
+        w.busy = True
+        if chunks:
+            dt = max(self.p.prefill_c, self.p.decode_base_s if decodes else 0.0)
+            dt += sum(self._chunk_s(r, c) for r, c in chunks)
+            if decodes:
+                dt += self.p.decode_step_s(decodes, w.kv_tokens) - self.p.decode_base_s
+            w.step_ends, w.step_decoding = [self.now + dt], decoding
+            self.push(self.now + dt, _STEP, (w.idx, w.gen, 1, chunks, decoding))
+            return
+        # decode only: k steps at once, up to the next finish or the first step boundary at or after the next tick
+        # (its policies see the cluster between steps); work arriving meanwhile cuts the event short (join)
+        kmax = min(r.tr.output_length - r.generated for r in decoding)
+        t, kv, ends = self.now, w.kv_tokens, []
+        while len(ends) < kmax:
+            t += self.p.decode_step_s(decodes, kv)
+            kv += decodes
+            ends.append(t)
+            if t >= self.next_tick:
+                break
+        w.step_ends, w.step_decoding = ends, decoding
+        self.push(t, _STEP, (w.idx, w.gen, len(ends), (), decoding))
+
+    def step_done(self, widx: int, gen: int, k: int, chunks, decoding) -> None:
+        """``k`` steps ended: each request in ``decoding`` gained ``k`` tokens, each chunk was computed. Streams
+        ordered to migrate leave now, between steps; a draining worker left with nothing completes its drain."""
+        w = self.workers[widx]
+        w.kv_tokens += k * len(decoding)
+        for r in decoding:
+            r.generated += k
+            if r.generated >= r.tr.output_length:
+                self.finish(w, r)
+        for r, c in chunks:
+            r.done += c
+            w.prefill_left -= c
+            if r.done >= r.uncached:
+                self.prefilled(w, r)
+        if w.moves_out:
+            self.elastic.detach(w)
+        self.plan(w)
+        if w.draining:
+            self.elastic.maybe_retire(w)
+
+    def prefilled(self, w: _Worker, r: _Req) -> None:
+        hashes = r.tr.hash_ids
+        for h in hashes[r.local:]:
+            w.pin(h)
+        w.private -= len(hashes) - r.local
+        r.private -= len(hashes) - r.local
+        r.pinned = hashes
+        w.evict()
+        if self.tier.enabled:
+            self.tier.put(hashes[::-1], self.retention, self.now)  # tail first: the head is the most recent
+        if r.decode_w != w.idx:  # disaggregated: ship the KV to the decode worker
+            w.running.remove(r)
+            w.release(r)
+            self.push(self.now + len(hashes) * self.block_s, _HANDOFF, r)
+            return
+        self.start_decode(w, r)
+
+    def start_decode(self, w: _Worker, r: _Req) -> None:
+        """The step that finished ``r``'s prompt sampled its first token; it decodes from the next step."""
+        r.first_s = self.now
+        r.generated = 1
+        if r not in w.running:  # arrived by hand-off
+            w.running.append(r)
+        if r.generated >= r.tr.output_length:
+            self.finish(w, r)
+            return
+        w.kv_tokens += r.tr.input_length + 1
+
+    def handoff(self, r: _Req) -> None:
+        w = self.workers[r.decode_w]
+        w.incoming -= 1
+        r.total_blocks = -(-(r.tr.input_length + r.tr.output_length) // self.bs)
+        r.private = r.total_blocks
+        r.done = r.uncached  # the prompt's KV arrived: nothing to compute here
+        w.private += r.private
+        w.evict()
+        self.start_decode(w, r)
+        self.join(w)
+        if w.draining:  # a one-token request ends on arrival
+            self.elastic.maybe_retire(w)
+
+    def finish(self, w: _Worker, r: _Req) -> None:
+        w.running.remove(r)
+        w.release(r)
+        if r.generated > 1 or r.tr.output_length > 1:
+            w.kv_tokens -= r.tr.input_length + r.generated
+        r.generated = r.tr.output_length
+        self.done.append((r, self.now))
+
+    def stale(self, kind: int, data) -> bool:
+        """A step event replaced by a shorter one (``join``)."""
+        return kind == _STEP and data[1] != self.workers[data[0]].gen
+
+    def run(self) -> None:
+        if self.trace:
+            self.push(self.trace[0].arrival_s, _ARRIVAL, 0)
+        if self.elastic is not None:
+            self.elastic.start()
+        while self.events:
+            t, kind, _, data = heapq.heappop(self.events)
+            if self.stale(kind, data):
+                continue
+            self.now = t
+            if kind < _START:
+                self.last_work_s = t
+            if kind == _ARRIVAL:
+                if data + 1 < len(self.trace):
+                    self.push(self.trace[data + 1].arrival_s, _ARRIVAL, data + 1)
+                self.arrive(self.trace[data])
+            elif kind == _STEP:
+                self.step_done(*data)
+            elif kind == _HANDOFF:
+                self.handoff(data)
+            else:
+                self.elastic.on_event(kind, data)

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import pool_sizes, window_blocks_per_seq
-from shared.engine.kv_io import min_window_blocks
+from shared.engine.hybrid_kv import min_window_blocks
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model import gemma3
@@ -66,7 +66,7 @@ def capacity_table(mc: ModelConfig, context: int, pool_bytes: int, block_size: i
     swa_seq = nf_seq * (mc.num_layers - n_win) * layer_block + nw_seq * n_win * layer_block
     cfg = EngineConfig(block_size=block_size)
     nf, nw = pool_sizes(pool_bytes, (mc.num_layers - n_win) * layer_block, n_win * layer_block, context, window,
-                        block_size, min(min_window_blocks(cfg, window), nf_seq), cfg.max_num_batched_tokens)
+                        block_size, min(min_window_blocks(window, cfg.block_size, cfg.max_num_batched_tokens), nf_seq), cfg.max_num_batched_tokens)
     print(f"{'layout':<12}{'KV/seq (MiB)':>14}{'seqs in pool':>14}{'pool blocks (full/window)':>28}")
     full_blocks = pool_bytes // (mc.num_layers * layer_block)
     print(f"{'full KV':<12}{full_seq / 2**20:>14.1f}{full_blocks // nf_seq:>14d}{full_blocks:>20d} / -")

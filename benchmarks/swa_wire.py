@@ -2,7 +2,7 @@
 SWA-aware, through the code the services run.
 
 One request: a ``--context``-token prompt, prefilled in ``--chunk``-token chunks by a "prefill" engine (held),
-handed off to a "decode" engine (``kv_source`` -> payload -> ``kv_io.unpack`` -> ``import_prefilled``), decoded
+handed off to a "decode" engine (``kv_source`` -> payload -> ``kv_port.unpack`` -> ``import_prefilled``), decoded
 ``--new-tokens`` greedy tokens; both engines write their computed blocks back to a tier (the cache tier's own
 ``to_blocks`` on a validated ``CachePut``, first writer wins per block); then the next turn (prompt + answer +
 ``--turn`` more tokens) asks the tier (``CacheGet`` -> ``fits`` / ``to_payload``) on a fresh engine and imports
@@ -27,9 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from services.cache_tier.blocks import fits, to_blocks, to_payload, window_mask
 from shared import protocol
-from shared.engine import kv_io
 from shared.engine.config import EngineConfig
-from shared.engine.kv_handoff import import_prefilled
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv import block_pack
@@ -47,16 +45,16 @@ def run(eng: LLMEngine, rid: str) -> list[int]:
 
 def write_back(eng: LLMEngine, rid: str, first: int, tier: dict, writer: str) -> int:
     """The worker's write-back of ``rid``'s computed blocks from ``first`` on; returns the bytes put."""
-    ids, chain, tokens = eng.tier_blocks(rid, first)
+    ids, chain, tokens = eng.kv_port.tier_blocks(rid, first)
     if not ids:
         return 0
-    cache, rows, mask = eng.kv_source(rid, ids)
+    cache, rows, mask = eng.kv_port.source(rid, ids)
     payload = cache[torch.tensor(rows, dtype=torch.long)]
     put = protocol.CachePut(transfer_id=f"wb-{writer}", worker_id=writer, retention="chat",
                             block_hashes=list(chain.keys), block_digests=chain.packed_digests(),
                             model_fingerprint=chain.model_fingerprint, token_ids=tokens, block_size=BS,
-                            dtype=str(payload.dtype).removeprefix("torch."), block_shape=eng.kv_block_shape,
-                            transport="shm", handle={"x": 1}, full_layers=kv_io.full_layers(eng), window_mask=mask)
+                            dtype=str(payload.dtype).removeprefix("torch."), block_shape=eng.kv_port.block_shape,
+                            transport="shm", handle={"x": 1}, full_layers=eng.kv_port.full_layers, window_mask=mask)
     for block in to_blocks(put, payload, writer):
         tier.setdefault(block.block_hash, block)          # first writer wins
     return payload.numel() * payload.element_size()
@@ -64,12 +62,12 @@ def write_back(eng: LLMEngine, rid: str, first: int, tier: dict, writer: str) ->
 
 def tier_get(eng: LLMEngine, prompt: list[int], tier: dict) -> tuple[int, int]:
     """The next turn's pull: ``(bytes served, blocks imported into the prefix cache)``."""
-    first, chain = eng.missing_blocks(prompt)
+    first, chain = eng.kv_port.missing_blocks(prompt)
     get = protocol.CacheGet(transfer_id="tg-next", worker_id="next", retention="chat",
                             block_hashes=list(chain.keys), block_digests=chain.packed_digests(),
                             model_fingerprint=chain.model_fingerprint, token_ids=prompt[:len(chain) * BS],
-                            block_size=BS, dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
-                            block_shape=eng.kv_block_shape, transports=["shm"], full_layers=kv_io.full_layers(eng))
+                            block_size=BS, dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
+                            block_shape=eng.kv_port.block_shape, transports=["shm"], full_layers=eng.kv_port.full_layers)
     found = []
     for i, h in enumerate(get.block_hashes):
         block = tier.get(h)
@@ -80,8 +78,8 @@ def tier_get(eng: LLMEngine, prompt: list[int], tier: dict) -> tuple[int, int]:
     if not found:
         return 0, 0
     payload, mask = to_payload(found, get), window_mask(found, get)
-    kv, has_window = kv_io.unpack(eng, payload, len(found), mask)
-    return payload.numel() * payload.element_size(), eng.import_tier_blocks(prompt, "", first, kv, has_window)
+    kv, has_window = eng.kv_port.unpack(payload, len(found), mask)
+    return payload.numel() * payload.element_size(), eng.kv_port.import_tier_blocks(prompt, "", first, kv, has_window)
 
 
 def one_layout(model, swa: bool, prompt: list[int], turn: list[int], args) -> dict:
@@ -93,19 +91,19 @@ def one_layout(model, swa: bool, prompt: list[int], turn: list[int], args) -> di
     rid = pre.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
     first = run(pre, rid)[0]
     prefill_s = time.perf_counter() - t0
-    ids = pre.prompt_block_ids(rid)
-    cache, rows, mask = pre.kv_source(rid, ids, len(prompt))
+    ids = pre.kv_port.prompt_block_ids(rid)
+    cache, rows, mask = pre.kv_port.source(rid, ids, len(prompt))
     payload = cache[torch.tensor(rows, dtype=torch.long)]
     handoff = payload.numel() * payload.element_size()
     put_prefill = write_back(pre, rid, 0, tier, "prefill-0")
-    pre.release_held(rid)
+    pre.kv_port.release_held(rid)
     dec = LLMEngine(model, cfg)
-    kv, _ = kv_io.unpack(dec, payload, len(ids), mask)
+    kv, _ = dec.kv_port.unpack(payload, len(ids), mask)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    assert import_prefilled(dec, "d", prompt, first, params, kv, hold_kv=True, model_fingerprint=pre.fingerprint)
+    assert dec.kv_port.import_prefilled("d", prompt, first, params, kv, hold_kv=True, model_fingerprint=pre.fingerprint)
     answer = [first] + run(dec, "d")
     put_decode = write_back(dec, "d", len(prompt) // BS, tier, "decode-0")
-    dec.release_held("d")
+    dec.kv_port.release_held("d")
     nxt = LLMEngine(model, cfg)
     served, imported = tier_get(nxt, prompt + answer + turn, tier)
     return {"handoff": handoff, "put_prefill": put_prefill, "put_decode": put_decode, "served": served,

@@ -4,7 +4,7 @@
 0. Pre-copy, while the request keeps decoding: its full computed blocks (their KV is final) are staged and
    sent to the target as a ``KVPrecopy``, which keeps them in its prefix cache (``on_precopy``). A pre-copy
    that fails, or that a preemption overtook, is dropped: the switch then ships everything.
-1. ``on_migrate`` detaches the request at the next step boundary (``LLMEngine.detach``: out of the batch, blocks
+1. ``on_migrate`` detaches the request at the next step boundary (``KVPort.detach``: out of the batch, blocks
    kept) and ends its engine stream with a ``MIGRATING`` output, after every token it produced.
 2. The request's own handler (``DecodeService.on_message``) has published every chunk before that output, so it
    knows the next ``seq``: it calls ``hand_over``, which stages the blocks the target lacks (from
@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable
 
 from shared import protocol, subjects
-from shared.engine import kv_io
-from shared.engine.migration import Detached
+from shared.engine.kv_port import Detached
 from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import handle_meta
@@ -79,7 +78,7 @@ class MigrationDesk:
             t0 = time.perf_counter()
             order.precopied = await self._precopy(rid, order)
             order.precopy_s = time.perf_counter() - t0
-            order.moved = await w.aengine.call(lambda: w.engine.detach(rid))
+            order.moved = await w.aengine.call(lambda: w.engine.kv_port.detach(rid))
         except BaseException:
             self.orders.pop(rid, None)
             raise
@@ -97,7 +96,7 @@ class MigrationDesk:
     async def _precopy(self, rid: str, order: _Order) -> int:
         """Ship the request's full blocks ahead while it decodes on; how many the target kept (0: none)."""
         w, eng = self.worker, self.worker.engine
-        ids, tokens, salt = await w.aengine.call(lambda: eng.full_blocks(rid))
+        ids, tokens, salt = await w.aengine.call(lambda: eng.kv_port.full_blocks(rid))
         if len(ids) < MIN_PRECOPY_BLOCKS:
             return 0
         transport, tid = w.transports[order.transport], f"{rid}-pre"
@@ -105,11 +104,11 @@ class MigrationDesk:
             cache, staged, mask = await w.kv_source(rid, ids, len(ids) * eng.config.block_size)
             handle = await transport.stage_blocks(cache, staged, tid)
             try:
-                if not await w.aengine.call(lambda: eng.holds_blocks(rid, ids)):
+                if not await w.aengine.call(lambda: eng.kv_port.holds_blocks(rid, ids)):
                     return 0  # preempted while copying: the staged bytes may not be its KV
                 msg = protocol.KVPrecopy(request_id=rid, token_ids=tokens, cache_salt=salt,
-                                         num_blocks=len(ids), block_shape=eng.kv_block_shape,
-                                         dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
+                                         num_blocks=len(ids), block_shape=eng.kv_port.block_shape,
+                                         dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
                                          transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint,
                                          window_mask=mask)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(msg),
@@ -126,17 +125,17 @@ class MigrationDesk:
     async def on_precopy(self, msg, req: protocol.KVPrecopy) -> None:
         """Target side: keep a pre-copy's blocks in the prefix cache; answer how many were kept."""
         w, eng = self.worker, self.worker.engine
-        eng.check_model(req.model_fingerprint, "the KV pre-copy")
+        eng.kv_port.check_model(req.model_fingerprint, "the KV pre-copy")
         transport = w.transports.get(req.transport)
         dtype, shape, _ = handle_meta(req.handle)
-        if transport is None or req.block_shape != eng.kv_block_shape \
-                or shape != kv_io.payload_shape(eng, req.num_blocks, req.window_mask) \
+        if transport is None or req.block_shape != eng.kv_port.block_shape \
+                or shape != eng.kv_port.payload_shape(req.num_blocks, req.window_mask) \
                 or str(dtype) != f"torch.{req.dtype}" or req.num_blocks * eng.config.block_size > len(req.token_ids):
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"pre-copy of {req.num_blocks} blocks over "
                                  f"{req.transport!r} does not fit its header or tokens")
-        packed = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # kv_io.payload_shape
-        kv, has_window = kv_io.unpack(eng, packed.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
-        kept = await w.aengine.call(lambda: eng.import_tier_blocks(req.token_ids, req.cache_salt, 0, kv, has_window))
+        packed = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # KVPort.payload_shape
+        kv, has_window = eng.kv_port.unpack(packed.to(eng.kv_port.kv_cache.device), req.num_blocks, req.window_mask)
+        kept = await w.aengine.call(lambda: eng.kv_port.import_tier_blocks(req.token_ids, req.cache_salt, 0, kv, has_window))
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(detail=str(kept))))
 
@@ -163,8 +162,8 @@ class MigrationDesk:
                     request_id=rid, prompt_token_ids=moved.prompt_token_ids,
                     prior_output_ids=moved.output_token_ids[:-1], first_token=moved.output_token_ids[-1],
                     sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt,
-                    num_blocks=len(moved.block_ids) - first, block_shape=eng.kv_block_shape,
-                    dtype=str(eng.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
+                    num_blocks=len(moved.block_ids) - first, block_shape=eng.kv_port.block_shape,
+                    dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
                     num_cached_tokens=min(extra.get("cached_tokens", moved.num_cached_tokens),
                                           len(moved.prompt_token_ids)),
                     ttft_ms=extra.get("prefill_ms", 0.0), retention=req.retention,
@@ -186,11 +185,11 @@ class MigrationDesk:
                 ErrorCode.TRANSFER_FAILED, f"migration of {rid} to {order.target} failed: {err!r}")
             logger.warning("[%s] migration to %s failed, decoding on here: %s", rid, order.target, failure)
             _settle(order.done, failure)
-            return lambda: eng.reattach(rid)
+            return lambda: eng.kv_port.reattach(rid)
         if isinstance(req, protocol.DecodeLocalRequest):  # a hand-off's prompt went back from its prefill worker
             await w.tier_write_back(rid, moved.num_cached_tokens // eng.config.block_size, req.cache_salt,
                                     req.retention)
-        await w.aengine.call(lambda: eng.drop_detached(rid))
+        await w.aengine.call(lambda: eng.kv_port.drop_detached(rid))
         self.sent += 1
         w.metrics.handoff(order.transport, "migrated", int(handle.get("nbytes", 0)), time.perf_counter() - t0)
         logger.info("[%s] migrated to %s at chunk %d (%d tokens; %d of %d blocks pre-copied in %.3f s, the rest "

@@ -16,8 +16,6 @@ import time
 
 from services.decode.migration import MIGRATING, MigrationDesk
 from shared import protocol, subjects
-from shared.engine import kv_io
-from shared.engine.migration import check_import
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.transport import handle_meta
@@ -49,16 +47,16 @@ class DecodeService(Worker):
                 raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
             dtype, shape, nbytes = handle_meta(req.handle)  # the handle's own fields agree with each other
             has_window = block_pack.decode_mask(req.window_mask, req.num_blocks)
-            packed = block_pack.packed_shape(has_window, req.block_shape, kv_io.full_layers(eng))
+            packed = block_pack.packed_shape(has_window, req.block_shape, eng.kv_port.full_layers)
             if packed != shape or f"torch.{req.dtype}" != str(dtype):
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"hand-off header {packed} {req.dtype} disagrees "
                                      f"with its handle {shape} {dtype}")
             # before any allocation or fetch: a bad hand-off (or another build's KV) is refused here
             outputs = [*req.prior_output_ids, req.first_token]  # one token, or a migrating stream's all
-            check_import(eng, req.prompt_token_ids, outputs, params, [req.num_blocks, *req.block_shape], req.dtype,
-                         req.model_fingerprint, req.generator_state, req.first_block)
+            eng.kv_port.check_import(req.prompt_token_ids, outputs, params, [req.num_blocks, *req.block_shape],
+                                     req.dtype, req.model_fingerprint, req.generator_state, req.first_block)
         else:
-            eng.check_model(req.model_fingerprint, "the decode request", allow_any=True)
+            eng.kv_port.check_model(req.model_fingerprint, "the decode request", allow_any=True)
             eng.validate(req.prompt_token_ids, params)
         deadline = asyncio.get_running_loop().time() + req.deadline_s  # the request's, as the router set it
         await self.track(rid, req.reply_to, req.router_id, req.router_instance)
@@ -79,8 +77,8 @@ class DecodeService(Worker):
                 t_fetch = time.perf_counter()
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)   # packed
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
-                kv, has_window = kv_io.unpack(eng, kv.to(eng.kv_cache.device), req.num_blocks, req.window_mask)
-                submit = lambda: eng.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
+                kv, has_window = eng.kv_port.unpack(kv.to(eng.kv_port.kv_cache.device), req.num_blocks, req.window_mask)
+                submit = lambda: eng.kv_port.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
                                                     generator_state=req.generator_state, first_block=req.first_block,
                                                     has_window=has_window)
@@ -138,4 +136,4 @@ class DecodeService(Worker):
         finally:
             self.untrack(rid, outcome)
             if hold:
-                await self.aengine.call(lambda: eng.release_held(rid))
+                await self.aengine.call(lambda: eng.kv_port.release_held(rid))

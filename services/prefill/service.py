@@ -32,7 +32,7 @@ class PrefillService(Worker):
         if not msg.reply:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, "a PrefillRequest needs a reply subject for its Ack")
         req = protocol.decode(msg.data, protocol.PrefillRequest)
-        self.engine.check_model(req.model_fingerprint, "the prefill request", allow_any=True)
+        self.engine.kv_port.check_model(req.model_fingerprint, "the prefill request", allow_any=True)
         params = sampling_params(req.sampling)
         if req.transport not in self.transports:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
@@ -58,7 +58,7 @@ class PrefillService(Worker):
         finally:
             self.untrack(rid, outcome)
             await self.tier_write_back(rid, computed_from[0], req.cache_salt, req.retention)
-            await self.aengine.call(lambda: self.engine.release_held(rid))
+            await self.aengine.call(lambda: self.engine.kv_port.release_held(rid))
 
     async def _prefill(self, req: protocol.PrefillRequest, params, computed_from: list[int], deadline: float) -> str:
         """Prefill, stream the first token, hand the KV off (with what is left of the request's ``deadline``, a
@@ -82,7 +82,7 @@ class PrefillService(Worker):
             await self.publish_output(req.reply_to, 0, final, {"tier_cached_tokens": tier_tokens})
             return OUTCOME_FINISHED
         await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))
-        ids = await self.aengine.call(lambda: eng.prompt_block_ids(rid))
+        ids = await self.aengine.call(lambda: eng.kv_port.prompt_block_ids(rid))
         transport = self.transports[req.transport]
         t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
@@ -93,7 +93,7 @@ class PrefillService(Worker):
             handoff = protocol.KVHandoff(
                 request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=final.new_token_ids[0],
                 sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
-                block_shape=eng.kv_block_shape, dtype=str(eng.kv_cache.dtype).removeprefix("torch."),
+                block_shape=eng.kv_port.block_shape, dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
                 retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,

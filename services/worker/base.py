@@ -95,7 +95,7 @@ class Worker(TierMixin, Service):
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
                                    c.tier_write_queue)
             await self.tier.start()
-            await self.tier.warm_staging(engine.kv_block_bytes)
+            await self.tier.warm_staging(engine.kv_port.block_bytes)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)
@@ -172,11 +172,11 @@ class Worker(TierMixin, Service):
     async def kv_source(self, request_id: str, ids: list[int], next_query: int | None = None):
         """``(cache, rows, window_mask)`` a transport stages the held request's blocks ``ids`` from: the cache
         itself (no engine round trip: held blocks do not change), or with KV groups a packed copy gathered on the
-        engine thread (``shared/engine/kv_io.source``; ``next_query``: the importer's first query position)."""
+        engine thread (``KVPort.source``; ``next_query``: the importer's first query position)."""
         eng = self.engine
-        if not eng.has_kv_groups:
-            return eng.kv_cache, list(ids), b""
-        return await self.aengine.call(lambda: eng.kv_source(request_id, ids, next_query))
+        if eng.kv_port.stages_in_place:
+            return eng.kv_port.kv_cache, list(ids), b""
+        return await self.aengine.call(lambda: eng.kv_port.source(request_id, ids, next_query))
 
     async def track(self, request_id: str, reply_to: str, router_id: str = "", router_instance: str = "") -> None:
         """Bracket an accepted request (with ``untrack``); its stream is relayed by ``router_id`` (watched). Raises

@@ -135,7 +135,7 @@ class WorkerCollector(Collector):
         yield gauge(f"{P}_active_requests", "Requests held by this worker (queued, running or handing off)", lb,
                     len(w.active))
         yield gauge(f"{P}_held_requests", "Finished requests whose KV blocks are still held (write-back, hand-off)",
-                    lb, len(eng.held))
+                    lb, len(eng.kv_port.held))
         free = load["num_free_blocks"]
         yield gauge_by(f"{P}_kv_blocks", "KV cache blocks by state", lb, "state",
                        [("used", bm.num_blocks - free), ("free", free)])

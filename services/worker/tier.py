@@ -1,4 +1,4 @@
-"""A worker's side of the cache tier (``services/worker/tier_client.py``; the engine's: ``shared/engine/kv_tier.py``):
+"""A worker's side of the cache tier (``services/worker/tier_client.py``; the engine's: ``shared/engine/kv_port.py``):
 pull the blocks a prompt lacks before it is added, write computed blocks back. Mixed into ``services.worker.base.Worker``,
 whose ``engine``, ``aengine``, ``tier`` and ``kv_source`` these use. None of them raises for the tier's sake: a
 pull that fails computes, a write-back that cannot be made is dropped and counted.
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-from shared.engine import kv_io
 from shared.errors import DeepinferError
 from services.worker.tier_client import Pulled
 
@@ -20,10 +19,10 @@ class TierMixin:
         if self.tier is None or not self.tier.alive:
             return None
         eng = self.engine
-        first, hashes = await self.aengine.call(lambda: eng.missing_blocks(prompt, cache_salt))
-        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_block_shape,
-                                    str(eng.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
-                                    kv_io.window_layers(eng))
+        first, hashes = await self.aengine.call(lambda: eng.kv_port.missing_blocks(prompt, cache_salt))
+        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_port.block_shape,
+                                    str(eng.kv_port.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
+                                    eng.kv_port.window_layers)
 
     def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
         """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
@@ -33,7 +32,7 @@ class TierMixin:
         eng = self.engine
 
         def import_then_submit():
-            imported.append(eng.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
+            imported.append(eng.kv_port.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
             return submit()
         return import_then_submit
 
@@ -44,10 +43,10 @@ class TierMixin:
             return
         eng = self.engine
         try:
-            ids, hashes, tokens = await self.aengine.call(lambda: eng.tier_blocks(request_id, first_block))
+            ids, hashes, tokens = await self.aengine.call(lambda: eng.kv_port.tier_blocks(request_id, first_block))
             cache, staged, mask = await self.kv_source(request_id, ids)
             await self.tier.write_back(cache, staged, hashes, tokens, eng.config.block_size, cache_salt,
-                                       retention, mask, kv_io.full_layers(eng), eng.kv_block_shape)
+                                       retention, mask, eng.kv_port.full_layers, eng.kv_port.block_shape)
         except DeepinferError as err:   # not held (aborted, failed): nothing to write
             logger.debug("[%s] no write-back: %s", request_id, err)
 
@@ -59,14 +58,14 @@ class TierMixin:
         command. Returns the block index written up to (``first_block`` when nothing was: no tier, no KV
         groups)."""
         eng = self.engine
-        if self.tier is None or not eng.has_kv_groups:
+        if self.tier is None or not (not eng.kv_port.stages_in_place):
             return first_block
 
         def stage():
             req = eng.requests.get(request_id)
             try:
-                ids, chain, tokens = eng.tier_blocks(request_id, first_block, running=True)
-                return ids, chain, tokens, *eng.kv_source(request_id, ids)
+                ids, chain, tokens = eng.kv_port.tier_blocks(request_id, first_block, running=True)
+                return ids, chain, tokens, *eng.kv_port.source(request_id, ids)
             finally:
                 if req is not None:
                     req.window_pin = None   # copied (or nothing to copy): the window moves on
@@ -76,6 +75,6 @@ class TierMixin:
             logger.debug("[%s] no prompt write-back: %s", request_id, err)
             return first_block
         if ids and await self.tier.write_back(cache, rows, chain, tokens, eng.config.block_size, cache_salt,
-                                              retention, mask, kv_io.full_layers(eng), eng.kv_block_shape):
+                                              retention, mask, eng.kv_port.full_layers, eng.kv_port.block_shape):
             return first_block + len(ids)
         return first_block

@@ -172,7 +172,7 @@ class TierClient:
                          token_ids: Sequence[int], block_size: int, tenant: str, retention: str,
                          window_mask: bytes = b"", full_layers: int = 0, block_shape: Sequence[int] = ()) -> bool:
         """Stage ``kv_cache[block_ids]`` (the blocks ``chain`` names, in order; with ``window_mask`` the rows of a
-        packed run, ``shared/engine/kv_io.source``, of ``block_shape`` blocks whose blocks without window rows
+        packed run, ``KVPort.source``, of ``block_shape`` blocks whose blocks without window rows
         have ``full_layers`` rows) now
         (the caller holds those blocks until this returns) and queue it for the tier. False (counted) when the
         tier is away, the queue is full or staging fails."""

@@ -12,6 +12,8 @@ Invariants:
   confused, the later one just is not cached (``shared/kv/block_hash.py``). Reusing a hashed free block drops
   its hash.
 - ``allocate_slots`` returns ``None`` (caller must preempt or wait) and changes nothing when out of room.
+- It is the one-group ``KVManager`` (``shared/engine/kv_manager.py``); layouts with several groups hold one per
+  group.
 - With ``reserve_null`` (the sliding-window pool of ``shared/engine/hybrid_kv.py``), block 0 is the null block:
   never allocated, never freed, never cached. A block-table slot holding it names a block whose KV was released
   (``release``: no query can see it any more) or never written (an import skipped it); attention's window mask
@@ -20,8 +22,8 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
+from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
 
 BlockKey = tuple[bytes, tuple[int, ...]]  # (chained digest, token ids)
@@ -43,18 +45,20 @@ def block_key(request: Request, index: int) -> BlockKey:
     return request.block_digests[index], tuple(request.all_token_ids[index * bs:(index + 1) * bs])
 
 
-class BlockManager:
+class BlockManager(KVManager):
+    """One KV group: the plain paged cache (``KVManager``), and each pool of a layout with several groups."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 event_sink: Callable[[str, list[int]], None] | None = None, reserve_null: bool = False) -> None:
+                 event_sink: EventSink | None = None, reserve_null: bool = False) -> None:
         """``event_sink(kind, hashes)`` hears every change of the prefix cache: "stored" when blocks are
         published, "removed" when evicted, "cleared" on reset (workers forward these as KV events)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
-        self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self._num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null = 0 if reserve_null else -1  # the null block's id, or -1: none
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != self.null)
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[int, int] = {}  # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # request id -> how many of its blocks are hashed
         self.num_query_tokens = 0  # prefix-cache accounting: tokens looked up / found
@@ -62,6 +66,18 @@ class BlockManager:
         self.event_sink = event_sink
 
     # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        return [self._num_blocks]
+
+    @property
+    def cached(self) -> dict[int, int]:
+        return self._cached
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -73,7 +89,20 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return [self.block_ids(request_id)]
+
+    def group_block_ids(self, request_id: str, ids: list[int], next_query: int | None = None) -> list[list[int]]:
+        return [list(ids)]
+
+    def accepts(self, has_window: list[bool] | None) -> bool:
+        return has_window is None or all(has_window)   # one pool: a block is usable only with every layer's rows
+
+    def refuse(self, total: int) -> str | None:
+        capacity = self.num_blocks * self.block_size
+        return f"exceeds the KV cache capacity of {capacity} tokens" if total > capacity else None
+
+    def get_computed_blocks(self, request: Request, q0: int | None = None) -> tuple[list[int], int]:
         """Longest cached prefix of the request's full blocks: ``(block_ids, num_tokens)``.
 
         At least one token is always left to compute (its logits are needed), so a fully cached prompt
@@ -115,12 +144,13 @@ class BlockManager:
         return self.can_allocate(request, total)
 
     # -- mutations -------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | tuple[int, ...] = (), skip_before: int = 0) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` plus the
-        ``computed_blocks`` prefix hit. Returns the newly allocated block ids, or ``None`` if there is no
-        room (nothing changed). ``skip_before`` (null-block pools only): the request's blocks before that index
-        are never read again: held ones are released first, new ones get the null block."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, hits: list[int] | tuple[int, ...] = (),
+                       q0: int | None = None, skip_before: int = 0) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` plus the ``hits``
+        prefix. Returns the newly allocated block ids, or ``None`` if there is no room (nothing changed).
+        ``skip_before`` (null-block pools only): the request's blocks before that index are never read again:
+        held ones are released first, new ones get the null block. ``q0`` is for layouts with windows."""
+        computed_blocks = hits
         held = self.req_to_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         if not self.can_allocate(request, total, computed_blocks, skip_before):
@@ -184,7 +214,16 @@ class BlockManager:
         """How many leading full blocks of ``request`` the prefix cache holds now (read-only: no stats)."""
         return len(self.lookup(request, len(request.block_hashes)))
 
-    def import_cached(self, request: Request, first: int, count: int) -> list[int]:
+    def import_cached(self, request: Request, first: int, count: int, has_window: list[bool]) -> ImportedBlocks:
+        """``KVManager.import_cached``: only the leading blocks that carry every layer's rows."""
+        if False in has_window[:count]:
+            count = has_window.index(False)
+        rows = [-1] * count
+        ids = self.import_blocks(request, first, count)
+        rows[:len(ids)] = ids
+        return ImportedBlocks([rows], first + len(ids))
+
+    def import_blocks(self, request: Request, first: int, count: int) -> list[int]:
         """Make room for blocks ``[first, first + count)`` of ``request`` computed elsewhere (the cache tier)
         and publish them in the prefix cache as free cached blocks; the caller writes their KV before the
         next step. Returns the block ids, one per imported block (maybe fewer than ``count``: only free

@@ -28,10 +28,15 @@ pressure in full-group blocks (tokens / block_size), the unit routers compare wi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
+
+if TYPE_CHECKING:
+    from shared.engine.config import EngineConfig
+    from shared.model.llama import LlamaModel
 
 
 class HybridHits:
@@ -76,14 +81,17 @@ def pool_sizes(kv_cache_bytes: int, full_block_bytes: int, window_block_bytes: i
     return int(num_full), int(num_window)
 
 
-class HybridBlockManager:
-    """The ``BlockManager`` interface over two KV groups (see the module docstring for the rules)."""
+class HybridBlockManager(KVManager):
+    """The ``KVManager`` over two KV groups (see the module docstring for the rules). ``max_step_tokens``: the
+    most tokens one request computes in a step (``max_num_batched_tokens``), which bounds its window blocks."""
 
     def __init__(self, num_full_blocks: int, num_window_blocks: int, block_size: int, window: int,
-                 enable_caching: bool = True, event_sink: Callable[[str, list[int]], None] | None = None) -> None:
+                 enable_caching: bool = True, event_sink: EventSink | None = None,
+                 max_step_tokens: int = 1) -> None:
         self.full = BlockManager(num_full_blocks, block_size, enable_caching, event_sink)
         self.win = BlockManager(num_window_blocks + 1, block_size, enable_caching, reserve_null=True)
         self.block_size, self.window, self.enable_caching = block_size, window, enable_caching
+        self.max_step_tokens = max_step_tokens
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
@@ -95,6 +103,10 @@ class HybridBlockManager:
     @property
     def num_window_blocks(self) -> int:
         return self.win.num_blocks - 1
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        return [self.full.num_blocks, self.win.num_blocks]
 
     @property
     def usage(self) -> float:
@@ -128,6 +140,28 @@ class HybridBlockManager:
     def window_block_ids(self, request_id: str) -> list[int]:
         """The window group's block table (null block where released)."""
         return self.win.block_ids(request_id)
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return [self.full.block_ids(request_id), self.win.block_ids(request_id)]
+
+    def group_block_ids(self, request_id: str, ids: list[int], next_query: int | None = None) -> list[list[int]]:
+        index = {b: i for i, b in enumerate(self.full.block_ids(request_id))}
+        table = self.win.block_ids(request_id)
+        lo = 0 if next_query is None else self.drop(next_query)
+        return [list(ids), [table[index[b]] if index[b] >= lo else self.win.null for b in ids]]
+
+    def accepts(self, has_window: list[bool] | None) -> bool:
+        return True   # window rows are allocated only where the importer's window needs them
+
+    def refuse(self, total: int) -> str | None:
+        """Beyond the full pool's capacity: one prefill chunk and its window must fit in the window pool."""
+        reason = self.full.refuse(total)
+        need = min(-(-total // self.block_size),
+                   window_blocks_per_seq(self.window, self.block_size, self.max_step_tokens))
+        if reason is None and need > self.num_window_blocks:
+            reason = (f"cannot run in the sliding-window KV pool of {self.num_window_blocks} blocks (one prefill "
+                      "chunk and its window must fit: a larger KV budget or a smaller max_num_batched_tokens)")
+        return reason
 
     def _largest_hit(self, request: Request, max_blocks: int, q0: int | None) -> HybridHits:
         full = self.full.lookup(request, max_blocks)
@@ -168,12 +202,12 @@ class HybridBlockManager:
                                           self.drop(self.pinned(request, request.num_computed_tokens))))
 
     # -- mutations -------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: HybridHits | tuple = (),
+    def allocate_slots(self, request: Request, num_new_tokens: int, hits: HybridHits | tuple = (),
                        q0: int | None = None) -> list[int] | None:
         """Room in both pools for ``num_new_tokens`` after ``num_computed_tokens`` plus the hit, or ``None`` and
         nothing changed. Window blocks before ``drop(q0)`` (``q0`` default: the first token computed now) are
         released / never allocated. Returns the full group's new block ids."""
-        hits = computed_blocks if isinstance(computed_blocks, HybridHits) else HybridHits([], [])
+        hits = hits if isinstance(hits, HybridHits) else HybridHits([], [])
         start = request.num_computed_tokens + len(hits) * self.block_size
         total = start + num_new_tokens
         if request.window_pin is not None and start < request.num_prompt_tokens:
@@ -183,19 +217,17 @@ class HybridBlockManager:
                 and self.win.can_allocate(request, total, hits.window, skip)):
             return None
         new_ids = self.full.allocate_slots(request, num_new_tokens, hits.full)
-        ok = self.win.allocate_slots(request, num_new_tokens, hits.window, skip)
+        ok = self.win.allocate_slots(request, num_new_tokens, hits.window, skip_before=skip)
         assert new_ids is not None and ok is not None, "a pool ran out after its room was checked"
         return new_ids
 
-    def import_cached(self, request: Request, first: int, count: int,
-                      has_window: list[bool]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    def import_cached(self, request: Request, first: int, count: int, has_window: list[bool]) -> ImportedBlocks:
         """Publish blocks ``[first, first + count)`` computed elsewhere (the cache tier, a pre-copy) as free cached
         blocks: full rows for those the full group lacks, window rows for those the window of the resulting hit
         needs and the payload carries (``has_window[j]`` for block ``first + j``; a source sends zeros for rows it
-        released). Returns ``(full (index, block id), window (index, block id), n)``: the caller writes those
-        rows; the full group then holds blocks ``[0, n)``."""
+        released). ``num_blocks``: the hit rule's count afterwards."""
         f0 = min(max(first, self.full.cached_prefix(request)), first + count)
-        f_ids = self.full.import_cached(request, f0, first + count - f0)
+        f_ids = self.full.import_blocks(request, f0, first + count - f0)
         n = f0 + len(f_ids)
         w0 = max(first, min(self.drop(n * self.block_size), n))
         for j in range(w0, n):  # the window rows must run unbroken to n
@@ -203,8 +235,11 @@ class HybridBlockManager:
                 w0 = j + 1
         while w0 < n and self.win.cached_block(request, w0) is not None:
             w0 += 1
-        w_ids = self.win.import_cached(request, w0, n - w0) if w0 < n else []
-        return list(enumerate(f_ids, f0)), list(enumerate(w_ids, w0)), n
+        w_ids = self.win.import_blocks(request, w0, n - w0) if w0 < n else []
+        rows = [[-1] * count, [-1] * count]
+        for group, start, ids in ((0, f0, f_ids), (1, w0, w_ids)):
+            rows[group][start - first:start - first + len(ids)] = ids
+        return ImportedBlocks(rows, min(self.cached_prefix(request), first + count))
 
     def free(self, request_id: str) -> None:
         self.full.free(request_id)
@@ -221,3 +256,28 @@ class HybridBlockManager:
     def reset_prefix_cache(self) -> None:
         self.full.reset_prefix_cache()
         self.win.reset_prefix_cache()
+
+
+def min_window_blocks(window: int, block_size: int, max_step_tokens: int) -> int:
+    """Window blocks one request may need in one step: a chunk of ``max_step_tokens`` plus its window."""
+    return window_blocks_per_seq(window, block_size, max_step_tokens)
+
+
+def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int) -> KVManager:
+    """The engine's ``KVManager``: one pool, or two KV groups when ``config.swa_kv`` and the model has window
+    layers (pool sizes from ``config.num_kv_blocks`` or split from ``config.kv_cache_bytes``)."""
+    mc, bs = model.config, config.block_size
+    layer_bytes = 2 * bs * mc.num_kv_heads * mc.head_dim * model.embed.element_size()
+    windows = [w for w in mc.layer_sliding_windows if w is not None]
+    if not (config.swa_kv and windows):
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // (mc.num_layers * layer_bytes))
+        return BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    window, step = max(windows), config.max_num_batched_tokens
+    if config.num_kv_blocks is not None:
+        num_full, num_window = config.num_kv_blocks, config.num_window_kv_blocks or config.num_kv_blocks
+    else:
+        min_window = min(min_window_blocks(window, bs, step), -(-max_model_len // bs))
+        num_full, num_window = pool_sizes(config.kv_cache_bytes, (mc.num_layers - len(windows)) * layer_bytes,
+                                          len(windows) * layer_bytes, config.swa_kv_context or max_model_len,
+                                          window, bs, min_window, step)
+    return HybridBlockManager(num_full, num_window, bs, window, config.enable_prefix_caching, max_step_tokens=step)

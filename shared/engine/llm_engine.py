@@ -12,15 +12,16 @@ import time
 
 import torch
 
-from shared.engine import kv_handoff, kv_io, kv_tier, migration
 from shared.engine.config import EngineConfig
+from shared.engine.hybrid_kv import build_kv_manager
+from shared.engine.kv_manager import KVManager
+from shared.engine.kv_port import KVPort
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.errors import DeepinferError, ErrorCode, invalid
-from shared.kv.block_hash import BlockChain
 from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import LlamaModel
 
@@ -32,8 +33,7 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.block_manager = kv_io.build_block_manager(model, config, self.max_model_len)  # 1 pool or 2 KV groups
-        num_blocks = self.block_manager.num_blocks
+        self.block_manager: KVManager = build_kv_manager(model, config, self.max_model_len)  # 1 pool or KV groups
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, self.block_manager)
         if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and model.device.type == "cuda"):
@@ -44,15 +44,13 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         self._ids = itertools.count()
         self.num_preemptions = 0
-        self.held: dict[str, Request] = {}  # finished hold_kv requests whose blocks are still allocated
-        self.detached: dict[str, Request] = {}  # running requests taken out of the batch to migrate (migration.py)
+        self.kv_port = KVPort(self)  # KV crossing the engine: hand-off, migration, cache tier
         self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
         # what determines this engine's KV (shared/model/fingerprint.py): in every block hash and hand-off
         self.fingerprint = model_fingerprint(model, tokenizer, config.block_size)
-        logger.info("engine ready: model=%s fingerprint=%s device=%s dtype=%s kv_blocks=%d window_kv_blocks=%s "
-                    "block_size=%d max_model_len=%d", mc.model_id, self.fingerprint, model.device, model.dtype,
-                    num_blocks, getattr(self.block_manager, "num_window_blocks", None), config.block_size,
-                    self.max_model_len)
+        logger.info("engine ready: model=%s fingerprint=%s device=%s dtype=%s kv_pools=%s block_size=%d "
+                    "max_model_len=%d", mc.model_id, self.fingerprint, model.device, model.dtype,
+                    self.block_manager.pool_sizes, config.block_size, self.max_model_len)
 
     @classmethod
     def from_path(cls, path=None, config: EngineConfig | None = None, progress=None) -> "LLMEngine":
@@ -80,20 +78,14 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "
                                  f"the context window is {self.max_model_len}")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if min(total, self.max_model_len) > capacity:
-            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens exceeds "
-                                 f"the KV cache capacity of {capacity} tokens")
-        if not kv_io.window_fits(self, min(total, self.max_model_len)):
-            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens cannot run in "
-                                 f"the sliding-window KV pool of {self.block_manager.num_window_blocks} blocks "
-                                 "(one prefill chunk and its window must fit: a larger KV budget or a smaller "
-                                 "max_num_batched_tokens)")
+        reason = self.block_manager.refuse(min(total, self.max_model_len))
+        if reason is not None:
+            raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens {reason}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str = "", hold_kv: bool = False, continues: bool = False,
                     pin_prompt_window: bool = False) -> str:
-        """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``release_held``).
+        """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``KVPort.release_held``).
         ``continues``: its length stop is not the stream's end (a prefill worker's first token; the decode
         worker goes on), so text held back for an incomplete UTF-8 character is not flushed as U+FFFD.
         ``pin_prompt_window``: with SWA-aware KV, keep the window rows the prompt's prefill left until the caller
@@ -102,102 +94,27 @@ class LLMEngine:
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
-        req = Request(request_id, prompt_token_ids, params, block_size=self.config.block_size,
-                      model_fingerprint=self.fingerprint, cache_salt=cache_salt)
-        if self.tokenizer is not None:
-            req.detokenizer = self.tokenizer.incremental_decoder()
+        req = self.new_request(request_id, prompt_token_ids, params, cache_salt)
         req.hold_kv, req.flush_text = hold_kv, not continues
-        if pin_prompt_window and self.has_kv_groups:
+        if pin_prompt_window and not self.kv_port.stages_in_place:
             req.window_pin = 0       # follows the prefill chunks (HybridBlockManager.allocate_slots)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
-    def release_held(self, request_id: str) -> None:
-        """Free the blocks of a finished ``hold_kv`` request (idempotent); hashed ones stay cached."""
-        if self.held.pop(request_id, None) is not None:
-            self.block_manager.free(request_id)
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str = "") -> Request:
+        """A request object of this engine (its block size, fingerprint and detokenizer); not queued."""
+        req = Request(request_id, prompt_token_ids, params, block_size=self.config.block_size,
+                      model_fingerprint=self.fingerprint, cache_salt=cache_salt)
+        if self.tokenizer is not None:
+            req.detokenizer = self.tokenizer.incremental_decoder()
+        return req
 
-    # -- KV hand-off (prefill worker -> decode worker; see shared/engine/kv_handoff.py) ---------------
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        """The paged KV cache ``[num_blocks, L, 2, kvh, block_size, D]`` (blocks named by block ids); with KV
-        groups the full group's pool (its device and dtype are the engine's; stage blocks via ``kv_source``)."""
-        kv = self.runner.kv_cache
-        return kv if isinstance(kv, torch.Tensor) else kv.full
-
-    @property
-    def kv_block_shape(self) -> list[int]:
-        """The wire shape of one logical block: ``[L, 2, kvh, block_size, D]``."""
-        return kv_io.block_shape(self)
-
-    @property
-    def kv_block_bytes(self) -> int:
-        return kv_io.block_bytes(self)
-
-    def kv_source(self, request_id: str, block_ids: list[int],
-                  next_query: int | None = None) -> tuple[torch.Tensor, list[int], bytes]:
-        """``(cache, rows, window_mask)`` to stage the request's ``block_ids`` from (engine thread; see
-        ``kv_io.source``)."""
-        return kv_io.source(self, request_id, block_ids, next_query)
-
-    @property
-    def has_kv_groups(self) -> bool:
-        """KV in two pools (SWA-aware): staging needs a gathered copy (``kv_source``), made on the engine thread;
-        without groups the held blocks are staged straight from the cache, from any thread."""
-        return not isinstance(self.runner.kv_cache, torch.Tensor)
-
-    def prompt_block_ids(self, request_id: str) -> list[int]:
-        return kv_handoff.prompt_block_ids(self, request_id)
-
-    def check_model(self, model_fingerprint: str, what: str, allow_any: bool = False) -> None:
-        return kv_handoff.check_model(self, model_fingerprint, what, allow_any)
-
-    def check_handoff(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                      shape: list[int], dtype: str, *, model_fingerprint: str) -> None:
-        kv_handoff.check_handoff(self, prompt_token_ids, first_token, params, shape, dtype, model_fingerprint)
-
-    def import_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                         params: SamplingParams, kv: torch.Tensor, cache_salt: str = "",
-                         hold_kv: bool = False, *, model_fingerprint: str) -> bool:
-        return kv_handoff.import_prefilled(self, request_id, prompt_token_ids, first_token, params, kv, cache_salt,
-                                           hold_kv, model_fingerprint=model_fingerprint)
-
-    # -- live migration (running request -> another decode worker; see shared/engine/migration.py) ------
-    def detach(self, request_id: str) -> migration.Detached:
-        return migration.detach(self, request_id)
-
-    def full_blocks(self, request_id: str) -> tuple[list[int], list[int], str]:
-        return migration.full_blocks(self, request_id)
-
-    def holds_blocks(self, request_id: str, block_ids: list[int]) -> bool:
-        return migration.holds_blocks(self, request_id, block_ids)
-
-    def reattach(self, request_id: str) -> None:
-        migration.reattach(self, request_id)
-
-    def drop_detached(self, request_id: str) -> None:
-        migration.drop_detached(self, request_id)
-
-    def import_running(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                       params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
-                       model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0,
-                       has_window: list[bool] | None = None) -> bool:
-        return migration.import_running(self, request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt,
-                                        hold_kv, model_fingerprint=model_fingerprint, generator_state=generator_state,
-                                        first_block=first_block, has_window=has_window)
-
-    # -- cache tier (see shared/engine/kv_tier.py) ------------------------------------------------------
-    def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:
-        return kv_tier.missing_blocks(self, prompt_token_ids, cache_salt)
-
-    def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
-                           has_window: list[bool] | None = None) -> int:
-        return kv_tier.import_tier_blocks(self, prompt_token_ids, cache_salt, first, kv, has_window)
-
-    def tier_blocks(self, request_id: str, first: int = 0,
-                    running: bool = False) -> tuple[list[int], BlockChain, list[int]]:
-        return kv_tier.tier_blocks(self, request_id, first, running)
+    def is_stop_token(self, token: int, params: SamplingParams) -> bool:
+        """The stop-token rule: an EOS token (unless ``ignore_eos``) or one of ``stop_token_ids``; a stop token
+        ends the request and is never fed to the detokenizer."""
+        return (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
 
     def set_kv_event_sink(self, sink) -> None:
         """``sink(kind, hashes)`` hears every prefix-cache change (set before stepping starts)."""
@@ -207,15 +124,20 @@ class LLMEngine:
         """Every block hash the prefix cache holds now (a KV-event snapshot)."""
         return list(self.block_manager.cached)
 
+    def forget(self, req: Request, reason: str) -> None:
+        """Mark a request finished with ``reason`` and drop it from the engine (its blocks are the caller's)."""
+        self.requests.pop(req.request_id, None)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if self.speculator is not None:
+            self.speculator.finished(req.request_id)
+
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        self.detached.pop(request_id, None)
+        self.kv_port.detached.pop(request_id, None)
         self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-        if self.speculator is not None:
-            self.speculator.finished(request_id)
+        self.forget(req, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -280,7 +202,7 @@ class LLMEngine:
             req.stats.first_token_time = now
         req.stats.token_times.append(now)
         params, text, reason = req.params, "", None
-        is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        is_stop_token = self.is_stop_token(token, params)
         if req.detokenizer is not None and not is_stop_token:
             text = req.detokenizer.feed(token)
             if params.stop:
@@ -310,11 +232,8 @@ class LLMEngine:
         hold = req.hold_kv and reason not in ("error", "abort")
         self.scheduler.remove(req, free_blocks=not hold)
         if hold:
-            self.held[req.request_id] = req
-        self.requests.pop(req.request_id, None)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        if self.speculator is not None:
-            self.speculator.finished(req.request_id)
+            self.kv_port.hold(req)
+        self.forget(req, reason)
         st = req.stats
         return RequestOutput(req.request_id, tokens or [], text, True, reason, req.num_prompt_tokens,
                              st.num_cached_tokens, req.num_output_tokens, st.ttft, st.tpot,

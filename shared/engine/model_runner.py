@@ -15,8 +15,7 @@ import torch
 from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
-from shared.engine.block_manager import BlockManager
-from shared.engine.hybrid_kv import HybridBlockManager
+from shared.engine.kv_manager import KVManager
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
@@ -33,21 +32,15 @@ def _decode_like(s) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_manager: BlockManager | HybridBlockManager) -> None:
+    def __init__(self, model: LlamaModel, block_manager: KVManager) -> None:
         self.model, self.bm = model, block_manager
         self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
         # kv_cache: [num_blocks, L, 2, kvh, block_size, D], or one pool per KV group (shared/model/kv_cache.py)
-        self.kv_cache: torch.Tensor | kv_cache.KVGroups
-        if isinstance(block_manager, HybridBlockManager):
-            self.kv_cache = kv_cache.KVGroups(block_manager.num_blocks, block_manager.num_window_blocks,
-                                              model.config, block_manager.block_size, model.dtype, model.device)
-            self.tables = [block_manager.block_ids, block_manager.window_block_ids]
-        else:
-            self.kv_cache = kv_cache.allocate(block_manager.num_blocks, model.config, block_manager.block_size,
-                                              model.dtype, model.device)
-            self.tables = [block_manager.block_ids]
+        self.kv_cache: kv_cache.KVCache = kv_cache.allocate_pools(block_manager.pool_sizes, model.config,
+                                                                  block_manager.block_size, model.dtype, model.device)
+        self.num_groups = len(block_manager.pool_sizes)
         self._cascade = cascade_attention.available(model.device, model.dtype)
         self.graphs: DecodeGraphs | None = None
 
@@ -56,15 +49,15 @@ class ModelRunner:
         ``capture``, else its padded path eagerly). Cascade attention is a per-step choice a graph cannot
         replay: graph-eligible steps never use it. With KV groups every group has its own slots and tables."""
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.bm.block_size, max_blocks, max_batch, capture,
-                                   num_groups=len(self.tables))
+                                   num_groups=self.num_groups)
         self.graphs.capture_all()
 
     def _prepare(self, out: SchedulerOutput):
-        """Inputs of one step. Per KV group (one, or full + window: ``self.tables``), the rows' slots, decode
+        """Inputs of one step. Per KV group (one, or full + window: ``KVManager.block_tables``), the rows' slots, decode
         block tables and prefill chunk tables; ``meta`` is one ``AttentionMetadata`` or one per group."""
         bs, device = self.bm.block_size, self.model.device
         ordered = sorted(out.scheduled, key=lambda s: not _decode_like(s))  # stable: decodes first
-        ngroups = len(self.tables)
+        ngroups = self.num_groups
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[list[np.ndarray]] = [[] for _ in range(ngroups)]
@@ -83,8 +76,7 @@ class ModelRunner:
             decode = _decode_like(s)
             if decode:  # one decode row per token (a verification: row i sees positions <= start + i)
                 decode_lens.extend(range(start + 1, start + n + 1))
-            for g, table_of in enumerate(self.tables):
-                table = table_of(req.request_id)
+            for g, table in enumerate(self.bm.block_tables(req.request_id)):
                 slots[g].append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
                 if decode:
                     decode_tables[g].extend([table] * n)

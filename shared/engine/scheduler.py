@@ -16,8 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.hybrid_kv import HybridBlockManager
+from shared.engine.kv_manager import KVManager
 from shared.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager | HybridBlockManager, max_num_batched_tokens: int,
+    def __init__(self, block_manager: KVManager, max_num_batched_tokens: int,
                  max_num_seqs: int) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,6 +55,14 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def has_seat(self) -> bool:
+        """Whether one more request may run now (``max_num_seqs``)."""
+        return len(self.running) < self.max_num_seqs
+
+    def join_running(self, request: Request) -> None:
+        """Put a request whose KV is in place (imported, or reattached) straight into the running batch."""
+        self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

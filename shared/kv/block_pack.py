@@ -1,7 +1,7 @@
 """Packed KV blocks: how a run of logical blocks travels (hand-off, pre-copy, migration) and is stored (cache
 tier) when the sender keeps sliding-window layers' KV only for the blocks their window can still see.
 
-A logical block is ``[L, 2, kvh, block_size, D]`` (``shared/engine/kv_io.py``). A *packed run* of ``n`` blocks
+A logical block is ``[L, 2, kvh, block_size, D]`` (``shared/engine/kv_port.py``). A *packed run* of ``n`` blocks
 is one tensor ``[rows, 2, kvh, block_size, D]``: block ``j`` contributes, in layer order, all ``L`` layer rows
 when it carries its window rows (``has_window[j]``), else only the rows of its full-attention layers, so a window
 layer's released rows never travel or take room on SSD. A run whose blocks all carry every layer is the

@@ -3,6 +3,8 @@
 ``kv_cache: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]``
 
 - Block-major: one block (all layers, K and V) is contiguous, so a hand-off copies whole blocks.
+- SWA-aware KV keeps one pool per KV group (``KVGroups``); ``allocate_pools``, ``gather``, ``scatter``, ``stage``
+  and ``layer_view`` are the layout-independent operations (the engine never asks which layout it has).
 - Head-major inside a block: the ``block_size`` rows of one KV head are contiguous (block_size * head_dim
   elements), which is what decode attention streams through; on CPU this reads 2.4x faster than
   token-major rows interleaved across heads.
@@ -92,7 +94,65 @@ class KVGroups:
             self.window[ids] = blocks[rows][:, self._wl]
 
 
-def layer_view(kv: torch.Tensor | KVGroups, meta, layer: int):
+KVCache = torch.Tensor | KVGroups  # one pool (the tensor itself), or one per KV group
+
+
+def allocate_pools(pool_sizes: list[int], config: ModelConfig, block_size: int, dtype: torch.dtype,
+                   device: torch.device) -> KVCache:
+    """The physical cache for a ``KVManager``'s ``pool_sizes`` (one per KV group: one pool, or full + window)."""
+    if len(pool_sizes) == 1:
+        return allocate(pool_sizes[0], config, block_size, dtype, device)
+    num_full, num_window = pool_sizes
+    return KVGroups(num_full, num_window - 1, config, block_size, dtype, device)
+
+
+def block_shape(kv: KVCache) -> list[int]:
+    """Shape of one logical block, the wire format: ``[L, 2, kvh, block_size, D]``."""
+    return list(kv.block_shape) if isinstance(kv, KVGroups) else list(kv.shape[1:])
+
+
+def first_pool(kv: KVCache) -> torch.Tensor:
+    """The first group's pool (the cache itself with one pool): its device and dtype are the cache's."""
+    return kv.full if isinstance(kv, KVGroups) else kv
+
+
+def gather(kv: KVCache, group_ids: list[list[int]]) -> torch.Tensor:
+    """``[n, L, 2, kvh, bs, D]`` copy of logical blocks; ``group_ids[g][j]``: block ``j``'s id in group ``g``."""
+    if isinstance(kv, KVGroups):
+        return kv.gather(*group_ids)
+    return kv[torch.tensor(list(group_ids[0]), dtype=torch.long, device=kv.device)]
+
+
+def stage(kv: KVCache, group_ids: list[list[int]]) -> tuple[torch.Tensor, list[int], list[bool] | None]:
+    """``(source, rows, has_window)``: what a transport stages the blocks from (``stage_blocks(source, rows)``).
+    One pool: the cache itself and its block ids (no copy; ``has_window`` None: whole blocks). KV groups: a
+    packed copy (``shared/kv/block_pack.py``: window rows only where the window id is not the null block),
+    ``range(n)`` and which blocks carry window rows."""
+    if isinstance(kv, KVGroups):
+        packed, has_window = kv.gather_packed(*group_ids)
+        return packed, list(range(len(packed))), has_window
+    return kv, list(group_ids[0]), None
+
+
+def stages_in_place(kv: KVCache) -> bool:
+    """Whether ``stage`` hands out the cache itself (any thread may stage from it) rather than a copy (made on
+    the engine thread, between steps)."""
+    return not isinstance(kv, KVGroups)
+
+
+def scatter(kv: KVCache, group_ids: list[list[int]], blocks: torch.Tensor) -> None:
+    """Write logical blocks ``blocks: [n, L, ...]``: row ``j``'s group-``g`` rows into ``group_ids[g][j]``; an id
+    of -1 (and a window group's null block 0) skips that part."""
+    if isinstance(kv, KVGroups):
+        kv.scatter(*group_ids, blocks)
+        return
+    pairs = [(j, b) for j, b in enumerate(group_ids[0]) if b >= 0]
+    if pairs:
+        rows, ids = (torch.tensor(x, dtype=torch.long, device=kv.device) for x in zip(*pairs))
+        kv[ids] = blocks.to(kv)[rows]
+
+
+def layer_view(kv: KVCache, meta, layer: int):
     """``(k, v, meta)`` for one layer: the single cache and ``meta``, or the layer's group's pool and
     ``meta[group]`` (one ``AttentionMetadata`` per group)."""
     if isinstance(kv, torch.Tensor):

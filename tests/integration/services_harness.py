@@ -88,7 +88,7 @@ def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list
 
 
 def all_blocks_free(cluster) -> bool:
-    return all(not w.engine.requests and not w.engine.held and
+    return all(not w.engine.requests and not w.engine.kv_port.held and
                w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks
                for w in cluster.workers)
 

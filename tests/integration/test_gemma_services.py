@@ -60,7 +60,7 @@ async def test_a_sliding_window_model_is_exact_through_hand_off_and_tier(nats_se
         tier_hits = sum(w.metrics.prompt_tier_tokens._value.get() for w in cluster.workers)
         assert tier_hits > 0, "no prompt token came from the cache tier"
         # SWA-aware wire and tier: the released / unseen window rows neither travel nor take room in the tier
-        block_bytes, bs = cluster.workers[0].engine.kv_block_bytes, 8
+        block_bytes, bs = cluster.workers[0].engine.kv_port.block_bytes, 8
         logical = sum(-(-len(p) // bs) for p in ps + [ids_of(cluster, "hello world is the world")]) * block_bytes
         received = sum(handoff_bytes(w, "received") for w in cluster.workers)
         assert 0 < received < logical, (received, logical)

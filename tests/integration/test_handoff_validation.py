@@ -18,9 +18,9 @@ def folder(tmp_path_factory):
 
 def handoff(engine, prompt, **overrides) -> protocol.KVHandoff:
     num_blocks = -(-len(prompt) // engine.config.block_size)
-    block_shape = list(engine.kv_cache.shape[1:])
-    dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
-    nbytes = num_blocks * engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+    block_shape = list(engine.kv_port.kv_cache.shape[1:])
+    dtype = str(engine.kv_port.kv_cache.dtype).removeprefix("torch.")
+    nbytes = num_blocks * engine.kv_port.kv_cache[0].numel() * engine.kv_port.kv_cache.element_size()
     handle = {"transport": "shm", "segment": "deepinfer-no-such-segment", "token": 1, "offset": 4096,
               "nbytes": nbytes, "dtype": dtype, "shape": [num_blocks, *block_shape]}
     fields = dict(request_id="bad-handoff", prompt_token_ids=prompt, first_token=5,
@@ -51,7 +51,7 @@ async def test_bad_handoffs_are_refused_before_fetch_and_the_batch_goes_on(nats_
             prompt_token_ids=prompt, max_tokens=200, temperature=0.0, ignore_eos=True, prefill_mode="local")))
         await asyncio.sleep(0.3)
         vocab = eng.model.config.vocab_size
-        bad_shape = list(eng.kv_cache.shape[1:])
+        bad_shape = list(eng.kv_port.kv_cache.shape[1:])
         bad_shape[-1] *= 2
         two_blocks = handoff(eng, prompt[:9]).handle  # a self-consistent handle of 2 blocks
         cases = {

@@ -1,4 +1,4 @@
-"""Live migration between engines (shared/engine/migration.py): a running request detached from one engine
+"""Live migration between engines (shared/engine/kv_port.py): a running request detached from one engine
 and imported into another goes on exactly as it would have: greedy tokens equal the uninterrupted run's, a
 seeded sampled stream equals its unmigrated twin, and a reattached request loses nothing."""
 import dataclasses
@@ -29,11 +29,11 @@ def run(eng, rid, until=None) -> list[int]:
 
 
 def migrate(src, dst, rid, params, **kw):
-    moved = src.detach(rid)
-    kv = src.kv_cache[torch.tensor(moved.block_ids)]   # [blocks, L, 2, kvh, bs, D]
-    used = dst.import_running(rid, moved.prompt_token_ids, moved.output_token_ids, params, kv,
+    moved = src.kv_port.detach(rid)
+    kv = src.kv_port.kv_cache[torch.tensor(moved.block_ids)]   # [blocks, L, 2, kvh, bs, D]
+    used = dst.kv_port.import_running(rid, moved.prompt_token_ids, moved.output_token_ids, params, kv,
                               model_fingerprint=src.fingerprint, generator_state=moved.generator_state, **kw)
-    src.drop_detached(rid)
+    src.kv_port.drop_detached(rid)
     return moved, used
 
 
@@ -65,11 +65,11 @@ def test_reattach_puts_it_back_as_it_was():
     src = engine(model)
     src.add_request(prompt, GREEDY, "x")
     got = run(src, "x", until=5)
-    moved = src.detach("x")
+    moved = src.kv_port.detach("x")
     assert len(moved.block_ids) == -(-(len(prompt) + len(got) - 1) // 8)
     src.add_request([1, 2], dataclasses.replace(GREEDY, max_tokens=3), "y")
-    assert run(src, "y") and "x" in src.detached          # the batch went on without it
-    src.reattach("x")
+    assert run(src, "y") and "x" in src.kv_port.detached          # the batch went on without it
+    src.kv_port.reattach("x")
     assert got + run(src, "x") == expected
 
 
@@ -78,15 +78,15 @@ def test_only_a_decoding_request_detaches_and_abort_frees_a_detached_one():
     src = engine(model)
     src.add_request(list(range(3, 30)), GREEDY, "x")
     with pytest.raises(DeepinferError) as info:        # queued: no live KV yet
-        src.detach("x")
+        src.kv_port.detach("x")
     assert info.value.code == ErrorCode.INVALID_REQUEST
     with pytest.raises(DeepinferError):
-        src.detach("nobody")
+        src.kv_port.detach("nobody")
     run(src, "x", until=2)
-    src.detach("x")
+    src.kv_port.detach("x")
     with pytest.raises(DeepinferError):
-        src.detach("x")                                # already detached
-    assert src.abort("x") and not src.detached
+        src.kv_port.detach("x")                                # already detached
+    assert src.abort("x") and not src.kv_port.detached
     assert src.block_manager.num_free_blocks == src.block_manager.num_blocks
 
 
@@ -109,17 +109,17 @@ def test_bad_imports_are_refused_before_anything_is_allocated():
     src, dst = engine(model), engine(model)
     src.add_request(list(range(3, 20)), SEEDED, "x")
     run(src, "x", until=3)
-    moved = src.detach("x")
-    kv = src.kv_cache[torch.tensor(moved.block_ids)]
+    moved = src.kv_port.detach("x")
+    kv = src.kv_port.kv_cache[torch.tensor(moved.block_ids)]
     free = dst.block_manager.num_free_blocks
     for outputs, params, state in (([], SEEDED, b""), (moved.output_token_ids + [10**6], SEEDED, b""),
                                    (moved.output_token_ids, GREEDY, moved.generator_state),
                                    (moved.output_token_ids, SEEDED, b"\0" * (32 << 10))):
         with pytest.raises(DeepinferError):
-            dst.import_running("x", moved.prompt_token_ids, outputs, params, kv, model_fingerprint=src.fingerprint,
+            dst.kv_port.import_running("x", moved.prompt_token_ids, outputs, params, kv, model_fingerprint=src.fingerprint,
                                generator_state=state)
     with pytest.raises(DeepinferError) as info:
-        dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, SEEDED, kv[:-1],
+        dst.kv_port.import_running("x", moved.prompt_token_ids, moved.output_token_ids, SEEDED, kv[:-1],
                            model_fingerprint=src.fingerprint)
     assert info.value.code == ErrorCode.TRANSFER_FAILED
     assert dst.block_manager.num_free_blocks == free and not dst.requests
@@ -135,21 +135,21 @@ def test_pre_copied_blocks_ship_ahead_and_the_switch_sends_only_the_rest():
     src, dst = engine(model), engine(model)
     src.add_request(prompt, GREEDY, "x")
     got = run(src, "x", until=3)
-    ids, tokens, salt = src.full_blocks("x")
+    ids, tokens, salt = src.kv_port.full_blocks("x")
     assert len(ids) == (len(prompt) + len(got) - 1) // 8 and tokens == prompt + got
-    kept = dst.import_tier_blocks(tokens, salt, 0, src.kv_cache[torch.tensor(ids)])
+    kept = dst.kv_port.import_tier_blocks(tokens, salt, 0, src.kv_port.kv_cache[torch.tensor(ids)])
     assert kept == len(ids)
     got += run(src, "x", until=6)                   # the source decoded on while the copy travelled
-    assert src.holds_blocks("x", ids)
-    moved = src.detach("x")
-    tail = src.kv_cache[torch.tensor(moved.block_ids[kept:])]
+    assert src.kv_port.holds_blocks("x", ids)
+    moved = src.kv_port.detach("x")
+    tail = src.kv_port.kv_cache[torch.tensor(moved.block_ids[kept:])]
     fresh = engine(model)
     with pytest.raises(DeepinferError) as info:     # a target without the pre-copied blocks refuses
-        fresh.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+        fresh.kv_port.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
                              model_fingerprint=src.fingerprint, first_block=kept)
     assert info.value.code == ErrorCode.TRANSFER_FAILED and not fresh.requests
     assert fresh.block_manager.num_free_blocks == fresh.block_manager.num_blocks
-    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+    assert dst.kv_port.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
                               model_fingerprint=src.fingerprint, first_block=kept)
-    src.drop_detached("x")
+    src.kv_port.drop_detached("x")
     assert got + run(dst, "x") == expected

@@ -4,7 +4,6 @@ import dataclasses
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.kv_handoff import export_kv, import_prefilled
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
@@ -25,8 +24,8 @@ def prefill(model, prompt):
     while src.has_unfinished():
         outs += src.step()
     first = outs[-1].new_token_ids[0]
-    kv = export_kv(src, rid)
-    src.release_held(rid)
+    kv = src.kv_port.export_kv(rid)
+    src.kv_port.release_held(rid)
     assert src.block_manager.num_free_blocks == src.block_manager.num_blocks
     return first, kv, src.fingerprint
 
@@ -39,7 +38,7 @@ def test_handoff_equals_monolithic(prompt_len):
     first, kv, fp = prefill(model, prompt)
     dst = engine(model)
     dst.add_request([1, 2, 3], PARAMS)  # something else already decoding there
-    assert import_prefilled(dst, "x", prompt, first, PARAMS, kv, model_fingerprint=fp)
+    assert dst.kv_port.import_prefilled("x", prompt, first, PARAMS, kv, model_fingerprint=fp)
     got = [first]
     while dst.has_unfinished():
         got += [t for o in dst.step() if o.request_id == "x" for t in o.new_token_ids]
@@ -54,7 +53,7 @@ def test_no_room_falls_back_to_recompute_with_same_tokens():
     dst = engine(model, blocks=7)
     dst.add_request(list(range(50, 70)), dataclasses.replace(PARAMS, max_tokens=30))
     dst.step()  # holds 3 of 7 blocks: the 5 needed for the hand-off do not fit
-    assert not import_prefilled(dst, "x", prompt, first, PARAMS, kv, model_fingerprint=fp)
+    assert not dst.kv_port.import_prefilled("x", prompt, first, PARAMS, kv, model_fingerprint=fp)
     got = [first]
     while dst.has_unfinished():
         got += [t for o in dst.step() if o.request_id == "x" for t in o.new_token_ids]
@@ -65,7 +64,7 @@ def test_wrong_shape_is_rejected():
     model = tiny_model(seed=11)
     first, kv, fp = prefill(model, list(range(1, 20)))
     with pytest.raises(DeepinferError) as err:
-        import_prefilled(engine(model), "x", list(range(1, 30)), first, PARAMS, kv, model_fingerprint=fp)
+        engine(model).kv_port.import_prefilled("x", list(range(1, 30)), first, PARAMS, kv, model_fingerprint=fp)
     assert err.value.code == ErrorCode.TRANSFER_FAILED
 
 
@@ -75,7 +74,7 @@ def test_first_token_outside_the_vocabulary_is_rejected_before_admission():
     dst = engine(model)
     for bad in (model.config.vocab_size, -1):
         with pytest.raises(DeepinferError) as err:
-            dst.import_prefilled("x", list(range(1, 20)), bad, PARAMS, kv, model_fingerprint=fp)
+            dst.kv_port.import_prefilled("x", list(range(1, 20)), bad, PARAMS, kv, model_fingerprint=fp)
         assert err.value.code == ErrorCode.INVALID_REQUEST and "first_token" in err.value.message
     assert not dst.requests and dst.block_manager.num_free_blocks == dst.block_manager.num_blocks
 
@@ -84,13 +83,13 @@ def test_check_handoff_compares_shape_and_dtype_with_this_engine():
     model = tiny_model(seed=11)
     dst = engine(model)
     prompt = list(range(1, 20))  # 3 blocks of 8
-    shape = [3, *dst.kv_cache.shape[1:]]
-    dtype = str(dst.kv_cache.dtype).removeprefix("torch.")
-    dst.check_handoff(prompt, 5, PARAMS, shape, dtype, model_fingerprint=dst.fingerprint)
+    shape = [3, *dst.kv_port.kv_cache.shape[1:]]
+    dtype = str(dst.kv_port.kv_cache.dtype).removeprefix("torch.")
+    dst.kv_port.check_handoff(prompt, 5, PARAMS, shape, dtype, model_fingerprint=dst.fingerprint)
     for bad_shape, bad_dtype in (([2, *shape[1:]], dtype), ([3, *shape[1:-1], shape[-1] * 2], dtype),
                                  (shape, "float16" if dtype != "float16" else "float32")):
         with pytest.raises(DeepinferError) as err:
-            dst.check_handoff(prompt, 5, PARAMS, bad_shape, bad_dtype, model_fingerprint=dst.fingerprint)
+            dst.kv_port.check_handoff(prompt, 5, PARAMS, bad_shape, bad_dtype, model_fingerprint=dst.fingerprint)
         assert err.value.code == ErrorCode.TRANSFER_FAILED
 
 
@@ -104,9 +103,9 @@ def test_kv_of_another_build_is_refused_before_admission():
     prompt = list(range(1, 20))
     first, kv, fp = prefill(other, prompt)
     dst = engine(model)
-    assert fp != dst.fingerprint and list(kv.shape[1:]) == list(dst.kv_cache.shape[1:])
+    assert fp != dst.fingerprint and list(kv.shape[1:]) == list(dst.kv_port.kv_cache.shape[1:])
     for claimed in (fp, ""):
         with pytest.raises(DeepinferError) as err:
-            dst.import_prefilled("x", prompt, first, PARAMS, kv, model_fingerprint=claimed)
+            dst.kv_port.import_prefilled("x", prompt, first, PARAMS, kv, model_fingerprint=claimed)
         assert err.value.code == ErrorCode.MODEL_MISMATCH and dst.fingerprint in err.value.message
     assert not dst.requests and dst.block_manager.num_free_blocks == dst.block_manager.num_blocks

@@ -32,9 +32,9 @@ def written_back(model, prompt):
     src = engine(model)
     rid = src.add_request(prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
     run(src, rid)
-    ids, hashes, tokens = src.tier_blocks(rid)
-    kv = src.kv_cache[torch.tensor(ids)].clone()
-    src.release_held(rid)
+    ids, hashes, tokens = src.kv_port.tier_blocks(rid)
+    kv = src.kv_port.kv_cache[torch.tensor(ids)].clone()
+    src.kv_port.release_held(rid)
     assert len(ids) == len(prompt) // BS and tokens == prompt[:len(ids) * BS]
     return hashes, kv
 
@@ -52,10 +52,10 @@ def test_tier_import_is_a_prefix_hit_with_exact_greedy_output():
     expected, _ = run(e := engine(model), e.add_request(prompt, PARAMS))
     hashes, kv = written_back(model, prompt)
     dst = engine(model)
-    first, want = dst.missing_blocks(prompt)
+    first, want = dst.kv_port.missing_blocks(prompt)
     assert first == 0 and want == hashes[:5]
-    assert dst.import_tier_blocks(prompt, "", first, kv[first:len(want)]) == 5
-    assert dst.missing_blocks(prompt)[0] == 5
+    assert dst.kv_port.import_tier_blocks(prompt, "", first, kv[first:len(want)]) == 5
+    assert dst.kv_port.missing_blocks(prompt)[0] == 5
     assert_consistent(dst.block_manager)
     got, final = run(dst, dst.add_request(prompt, PARAMS))
     assert got == expected
@@ -69,11 +69,11 @@ def test_import_after_a_local_prefix_keeps_it_and_fills_the_rest():
     hashes, kv = written_back(model, prompt)
     dst = engine(model, blocks=12)
     run(dst, dst.add_request(prompt[:17], dataclasses.replace(PARAMS, max_tokens=1)))   # 2 blocks cached here
-    first, want = dst.missing_blocks(prompt)
+    first, want = dst.kv_port.missing_blocks(prompt)
     assert first == 2 and len(want) == 5
     # the pool's 10 other free blocks get filled first; the cached prefix must survive the import
-    assert dst.import_tier_blocks(prompt, "", first, kv[first:5]) == 3
-    assert dst.missing_blocks(prompt)[0] == 5
+    assert dst.kv_port.import_tier_blocks(prompt, "", first, kv[first:5]) == 3
+    assert dst.kv_port.missing_blocks(prompt)[0] == 5
     got, final = run(dst, dst.add_request(prompt, PARAMS))
     assert got == expected and final.num_cached_tokens == 5 * BS
     assert_consistent(dst.block_manager)
@@ -89,7 +89,7 @@ def test_import_never_evicts_held_blocks_and_stops_when_full():
     held = set(dst.block_manager.block_ids(rid))
     free = dst.block_manager.num_free_blocks
     assert len(held) == 4 and free == 4 < len(kv)
-    assert dst.import_tier_blocks(prompt, "", 0, kv) == free
+    assert dst.kv_port.import_tier_blocks(prompt, "", 0, kv) == free
     assert held == set(dst.block_manager.block_ids(rid))
     assert_consistent(dst.block_manager)
 
@@ -99,16 +99,16 @@ def test_salted_blocks_do_not_match_another_tenant():
     prompt = [(7 * i) % 128 for i in range(33)]
     hashes, kv = written_back(model, prompt)        # tenant "" (no salt)
     dst = engine(model)
-    first, want = dst.missing_blocks(prompt, "tenant-b")
+    first, want = dst.kv_port.missing_blocks(prompt, "tenant-b")
     assert first == 0 and set(want.keys).isdisjoint(hashes.keys) and set(want.digests).isdisjoint(hashes.digests)
 
 
 def test_mismatched_block_layout_is_refused():
     model = tiny_model(seed=5)
     dst = engine(model)
-    bad = torch.zeros(2, *dst.kv_cache.shape[2:])
+    bad = torch.zeros(2, *dst.kv_port.kv_cache.shape[2:])
     try:
-        dst.import_tier_blocks([1] * 33, "", 0, bad)
+        dst.kv_port.import_tier_blocks([1] * 33, "", 0, bad)
     except Exception as err:
         assert "does not match" in str(err)
     else:

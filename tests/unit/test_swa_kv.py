@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 
-from shared.engine import kv_io
 from shared.kv import block_pack
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import HybridBlockManager, pool_sizes
-from shared.engine.kv_handoff import export_kv, import_prefilled
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
@@ -52,7 +50,7 @@ def run(eng, rid, until=None):
 
 def staged(eng, rid, ids, next_query=None) -> tuple[torch.Tensor, int, bytes]:
     """``(payload, num_blocks, window_mask)``: what a transport would carry of the request's blocks ``ids``."""
-    cache, rows, mask = eng.kv_source(rid, ids, next_query)
+    cache, rows, mask = eng.kv_port.source(rid, ids, next_query)
     return cache[torch.tensor(rows, dtype=torch.long)], len(ids), mask
 
 
@@ -162,14 +160,14 @@ def test_migration_equals_full_kv(model, src_swa, dst_swa, after):
     src.add_request(PROMPTS[0], dataclasses.replace(GREEDY, max_tokens=40), "other")
     src.add_request(prompt, GREEDY, "x")
     got, _ = run(src, "x", until=after)
-    moved = src.detach("x")
-    kv = kv_io.gather(src, "x", moved.block_ids)            # [blocks, L, 2, kvh, bs, D]: the wire format
-    assert list(kv.shape[1:]) == dst.kv_block_shape
-    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, kv,
+    moved = src.kv_port.detach("x")
+    kv = src.kv_port.gather("x", moved.block_ids)            # [blocks, L, 2, kvh, bs, D]: the wire format
+    assert list(kv.shape[1:]) == dst.kv_port.block_shape
+    assert dst.kv_port.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, kv,
                               model_fingerprint=src.fingerprint)
     if dst_swa:
         assert window_held(dst.block_manager, "x") <= -(-WINDOW // BS) + 1   # only what the window still needs
-    src.drop_detached("x")
+    src.kv_port.drop_detached("x")
     assert got + run(dst, "x")[0] == expected
 
 
@@ -179,18 +177,18 @@ def test_pre_copy_then_switch_equals_full_kv(model):
     src, dst = engine(model), engine(model)
     src.add_request(prompt, GREEDY, "x")
     got, _ = run(src, "x", until=3)
-    ids, tokens, salt = src.full_blocks("x")
+    ids, tokens, salt = src.kv_port.full_blocks("x")
     payload, n, mask = staged(src, "x", ids, len(ids) * BS)   # a packed run: the released window rows stay home
-    assert mask and payload.numel() < n * math.prod(src.kv_block_shape)
-    kept = dst.import_tier_blocks(tokens, salt, 0, *kv_io.unpack(dst, payload, n, mask))
+    assert mask and payload.numel() < n * math.prod(src.kv_port.block_shape)
+    kept = dst.kv_port.import_tier_blocks(tokens, salt, 0, *dst.kv_port.unpack(payload, n, mask))
     assert kept == len(ids)
     got += run(src, "x", until=3)[0]
-    assert src.holds_blocks("x", ids)
-    moved = src.detach("x")
-    tail = kv_io.gather(src, "x", moved.block_ids[kept:])
-    assert dst.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
+    assert src.kv_port.holds_blocks("x", ids)
+    moved = src.kv_port.detach("x")
+    tail = src.kv_port.gather("x", moved.block_ids[kept:])
+    assert dst.kv_port.import_running("x", moved.prompt_token_ids, moved.output_token_ids, GREEDY, tail,
                               model_fingerprint=src.fingerprint, first_block=kept)
-    src.drop_detached("x")
+    src.kv_port.drop_detached("x")
     assert got + run(dst, "x")[0] == expected
 
 
@@ -202,10 +200,10 @@ def test_handoff_equals_monolithic(model, src_swa, dst_swa, prompt_len):
     src = engine(model, swa=src_swa, batched=8)
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_kv=True)
     first = run(src, rid)[0][0]
-    kv = export_kv(src, rid)
-    src.release_held(rid)
+    kv = src.kv_port.export_kv(rid)
+    src.kv_port.release_held(rid)
     dst = engine(model, swa=dst_swa)
-    assert import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint)
+    assert dst.kv_port.import_prefilled("y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint)
     assert [first] + run(dst, "y")[0] == expected
 
 
@@ -219,15 +217,15 @@ def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached):
     src = engine(model, swa=src_swa, batched=8)      # chunked: the early window rows are released (zeros)
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
     run(src, rid)
-    ids, chain, tokens = src.tier_blocks(rid)
-    kv, has_window = kv_io.unpack(src, *staged(src, rid, ids))
-    src.release_held(rid)
+    ids, chain, tokens = src.kv_port.tier_blocks(rid)
+    kv, has_window = src.kv_port.unpack(*staged(src, rid, ids))
+    src.kv_port.release_held(rid)
     dst = engine(model)
-    first, _ = dst.missing_blocks(prompt)
+    first, _ = dst.kv_port.missing_blocks(prompt)
     reusable = (len(prompt) - 1) // BS
-    assert first == 0 and dst.import_tier_blocks(prompt, "", 0, kv[:reusable], has_window[:reusable]) == cached // BS
+    assert first == 0 and dst.kv_port.import_tier_blocks(prompt, "", 0, kv[:reusable], has_window[:reusable]) == cached // BS
     if cached:
-        assert window_held(dst.block_manager, "none") == 0 and dst.missing_blocks(prompt)[0] == 9
+        assert window_held(dst.block_manager, "none") == 0 and dst.kv_port.missing_blocks(prompt)[0] == 9
     rid = dst.add_request(prompt, GREEDY)
     got, last = run(dst, rid)
     assert got == expected and last.num_cached_tokens == cached
@@ -239,7 +237,7 @@ def test_model_without_windows_allocates_exactly_as_before():
     runs = []
     for swa in (True, False):
         eng = LLMEngine(model, EngineConfig(block_size=BS, num_kv_blocks=64, swa_kv=swa))
-        assert type(eng.block_manager) is BlockManager and isinstance(eng.kv_cache, torch.Tensor)
+        assert type(eng.block_manager) is BlockManager and isinstance(eng.kv_port.kv_cache, torch.Tensor)
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         tables = []
         while eng.has_unfinished():
@@ -285,17 +283,17 @@ def test_packed_handoff_carries_only_the_window_rows_it_needs(model, dst_swa):
     src = engine(model, batched=8)
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_kv=True)
     first = run(src, rid)[0][0]
-    ids, bm = src.prompt_block_ids(rid), src.block_manager
+    ids, bm = src.kv_port.prompt_block_ids(rid), src.block_manager
     payload, n, mask = staged(src, rid, ids, len(prompt))
     held = [b != bm.win.null for b in bm.window_block_ids(rid)[:n]]
     seen = [held[j] and j >= bm.drop(len(prompt)) for j in range(n)]  # what the first decode query can see
     assert block_pack.decode_mask(mask, n) == seen and 0 < sum(seen) < sum(held)
-    full, win = kv_io.full_layers(src), len(kv_io.window_layers(src))
-    assert list(payload.shape) == [n * full + sum(seen) * win, *src.kv_block_shape[1:]]
+    full, win = src.kv_port.full_layers, len(src.kv_port.window_layers)
+    assert list(payload.shape) == [n * full + sum(seen) * win, *src.kv_port.block_shape[1:]]
     dst = engine(model, swa=dst_swa)
-    kv, has_window = kv_io.unpack(dst, payload, n, mask)
-    src.release_held(rid)
-    used = import_prefilled(dst, "y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint,
+    kv, has_window = dst.kv_port.unpack(payload, n, mask)
+    src.kv_port.release_held(rid)
+    used = dst.kv_port.import_prefilled("y", prompt, first, GREEDY, kv, model_fingerprint=src.fingerprint,
                             has_window=has_window)
     assert used == dst_swa        # one pool: blocks without window rows are recomputed, not served whole later
     assert [first] + run(dst, "y")[0] == expected
@@ -318,13 +316,13 @@ def test_next_turn_hits_a_decode_write_back_whole(request, window, max_tokens):
     src = engine(model, batched=8)
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
     answer = run(src, rid)[0]
-    ids, _, _ = src.tier_blocks(rid)
-    kv, has_window = kv_io.unpack(src, *staged(src, rid, ids))
+    ids, _, _ = src.kv_port.tier_blocks(rid)
+    kv, has_window = src.kv_port.unpack(*staged(src, rid, ids))
     assert not all(has_window)                        # the early window rows stay home
-    src.release_held(rid)
+    src.kv_port.release_held(rid)
     turn = prompt + answer + [12, 13, 14]
     expected = engine(model, swa=False).generate([turn], GREEDY)[0]
     dst = engine(model)
-    assert dst.import_tier_blocks(turn, "", 0, kv, has_window) == len(ids) == (len(turn) - 4) // BS
+    assert dst.kv_port.import_tier_blocks(turn, "", 0, kv, has_window) == len(ids) == (len(turn) - 4) // BS
     got, last = run(dst, dst.add_request(turn, GREEDY))
     assert got == expected and last.num_cached_tokens == len(ids) * BS

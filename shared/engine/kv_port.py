@@ -1,0 +1,375 @@
+"""The engine's KV port: KV that crosses the engine's boundary, in whatever layout its ``KVManager`` keeps.
+
+Three flows go through it, each between steps on the engine thread (``AsyncEngine.call``), so no step runs in
+the middle of one:
+
+- **Hand-off** (prefill worker -> decode worker). A request added with ``hold_kv`` finishes with its blocks
+  allocated (``hold``; ``release_held`` frees them); ``prompt_block_ids`` names the blocks of its prompt's KV and
+  ``source`` stages them. The decode side checks a hand-off before any allocation or fetch (``check_handoff``:
+  another build's KV is ``model_mismatch``, a token outside the vocabulary ``invalid_request``, a payload that is
+  not this layout's ``transfer_failed``), then ``import_prefilled`` admits the request with the prompt computed.
+- **Migration** (decode worker -> decode worker). ``detach`` takes a running request at a decode-step boundary
+  out of the batch with its blocks kept (``reattach`` puts it back as it was; ``drop_detached`` frees it once the
+  target runs it); ``Detached`` carries its tokens, blocks and seeded generator state. Pre-copy:
+  ``full_blocks`` names the blocks whose KV is final, ``holds_blocks`` confirms nothing preempted it meanwhile.
+  ``import_running`` rebuilds the request from prompt + output tokens (the detokenizer is fed the same tokens
+  under the engine's own stop-token rule), writes the KV of all but the newest token after its own prefix-cache
+  hit, restores the generator and joins the batch: the next step decodes the newest token as the source would
+  have. A hand-off is the case of one output token. With no room it is queued for local recompute: work is
+  never lost, only recomputed.
+- **Cache tier**. ``missing_blocks`` names the prompt blocks the local prefix cache lacks; ``import_tier_blocks``
+  publishes pulled blocks as free cached blocks (the worker adds the request in the same engine command, so its
+  prefix lookup finds them before any eviction: a tier hit is a local hit, and greedy output equals the
+  single-process engine's); ``tier_blocks`` names a held, detached or running request's computed full blocks
+  with their ``BlockChain`` for write-back (the tier serves a block only to a get naming the same digest and
+  model fingerprint).
+
+Wire layout: a run of blocks is a packed run (``shared/kv/block_pack.py``) of logical blocks
+``[L, 2, kvh, block_size, D]``: every block's full-attention rows, a window layer's rows only where the source
+still held them (a layout without KV groups sends whole blocks: empty mask). An importer never reads a row that
+did not travel: its ``KVManager`` allocates window rows only where its window needs them, and a layout that
+cannot take a partial block (``accepts``) recomputes instead.
+
+Invariants: a detached request is in ``engine.requests`` and ``detached`` and in no scheduler queue; a held one
+is in ``held`` only; ``engine.abort`` of either frees its blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.kv import block_pack
+from shared.kv.block_hash import BlockChain
+from shared.model import kv_cache
+from shared.protocol_work import MAX_GENERATOR_STATE_BYTES
+
+if TYPE_CHECKING:
+    from shared.engine.llm_engine import LLMEngine
+
+_SCRATCH_PARAMS = SamplingParams(max_tokens=1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Detached:
+    """What a target needs to continue a detached request: ``block_ids`` hold the KV of
+    ``prompt_token_ids + output_token_ids[:-1]`` in order; ``generator_state`` is b"" for unseeded sampling."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    generator_state: bytes
+    num_cached_tokens: int
+
+
+class KVPort:
+    """See the module docstring. Owned by one ``LLMEngine`` (``engine.kv_port``); every method runs on its thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.held: dict[str, Request] = {}      # finished hold_kv requests whose blocks are still allocated
+        self.detached: dict[str, Request] = {}  # running requests taken out of the batch to migrate
+
+    @property
+    def _bm(self):
+        return self.engine.block_manager
+
+    @property
+    def _kv(self) -> kv_cache.KVCache:
+        return self.engine.runner.kv_cache
+
+    # -- layout --------------------------------------------------------------------------------------
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The first KV group's pool ``[num_blocks, L, 2, kvh, block_size, D]`` (the whole cache with one pool):
+        its device and dtype are the cache's; stage blocks through ``source``."""
+        return kv_cache.first_pool(self._kv)
+
+    @property
+    def block_shape(self) -> list[int]:
+        """The wire shape of one logical block: ``[L, 2, kvh, block_size, D]``."""
+        return kv_cache.block_shape(self._kv)
+
+    @property
+    def block_bytes(self) -> int:
+        return int(torch.Size(self.block_shape).numel()) * self.kv_cache.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        """The cache dtype as the wire names it (torch's name without ``torch.``)."""
+        return str(self.kv_cache.dtype).removeprefix("torch.")
+
+    @property
+    def stages_in_place(self) -> bool:
+        """Whether ``source`` hands out the cache itself (any thread may stage from it) rather than a packed copy
+        (made on the engine thread, between steps: then the blocks' content at one instant)."""
+        return kv_cache.stages_in_place(self._kv)
+
+    @property
+    def window_layers(self) -> list[int]:
+        """The model's sliding-window layers (the rows a packed block may leave out)."""
+        return [i for i, w in enumerate(self.engine.model.config.layer_sliding_windows) if w is not None]
+
+    @property
+    def full_layers(self) -> int:
+        """Layer rows of a packed block without its window rows (``shared/kv/block_pack.py``)."""
+        return self.engine.model.config.num_layers - len(self.window_layers)
+
+    def gather(self, request_id: str, ids: list[int]) -> torch.Tensor:
+        """``[n, L, 2, kvh, bs, D]`` copy of the request's logical blocks ``ids``."""
+        return kv_cache.gather(self._kv, self._bm.group_block_ids(request_id, list(ids)))
+
+    def source(self, request_id: str, ids: list[int],
+               next_query: int | None = None) -> tuple[torch.Tensor, list[int], bytes]:
+        """``(cache, rows, window_mask)`` a transport stages the request's blocks ``ids`` from
+        (``stage_blocks(cache, rows)``): the cache itself, ``ids`` and ``b""`` when it stages in place; else a
+        packed run, ``range(n)`` and its mask. With ``next_query`` (the first position the importer computes), a
+        block carries window rows only where that query's window can see it: no row travels unread."""
+        group_ids = self._bm.group_block_ids(request_id, list(ids), next_query)
+        source, rows, has_window = kv_cache.stage(self._kv, group_ids)
+        return source, rows, b"" if has_window is None else block_pack.encode_mask(has_window)
+
+    def payload_shape(self, num_blocks: int, window_mask: bytes) -> list[int]:
+        """The shape of a payload of ``num_blocks`` packed blocks with ``window_mask`` in this layout
+        (``[num_blocks, *block_shape]`` when the mask is empty); ``transfer_failed`` for a mask that cannot be."""
+        if not window_mask:
+            return [num_blocks, *self.block_shape]
+        has_window = block_pack.decode_mask(window_mask, num_blocks)
+        return block_pack.packed_shape(has_window, self.block_shape, self.full_layers)
+
+    def unpack(self, payload: torch.Tensor, num_blocks: int, window_mask: bytes) -> tuple[torch.Tensor, list[bool]]:
+        """``(blocks [num_blocks, L, ...], has_window)`` of a fetched payload (``payload_shape``); rows that did not
+        travel read as zeros, and ``has_window`` says which blocks carry theirs."""
+        has_window = block_pack.decode_mask(window_mask, num_blocks)   # block_pack.unpack checks the shape
+        return block_pack.unpack(payload, has_window, self.window_layers, self.block_shape), has_window
+
+    def write(self, request_id: str, first: int, blocks: torch.Tensor) -> None:
+        """Write logical blocks ``blocks: [n, L, ...]`` into the request's blocks ``first .. first + n - 1`` (window
+        rows only where its window table holds a block)."""
+        ids = self._bm.block_ids(request_id)[first:first + len(blocks)]
+        kv_cache.scatter(self._kv, self._bm.group_block_ids(request_id, ids), blocks)
+
+    # -- hand-off --------------------------------------------------------------------------------------
+    def hold(self, request: Request) -> None:
+        """Keep a finished ``hold_kv`` request's blocks until ``release_held``."""
+        self.held[request.request_id] = request
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished ``hold_kv`` request (idempotent); hashed ones stay cached."""
+        if self.held.pop(request_id, None) is not None:
+            self._bm.free(request_id)
+
+    def prompt_block_ids(self, request_id: str) -> list[int]:
+        """The blocks holding a held request's prompt KV, in prompt order."""
+        req = self.held.get(request_id)
+        if req is None:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+        return self._bm.block_ids(request_id)[:-(-req.num_prompt_tokens // self.engine.config.block_size)]
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
+        return self.gather(request_id, self.prompt_block_ids(request_id))
+
+    def check_model(self, model_fingerprint: str, what: str, allow_any: bool = False) -> None:
+        """Raise ``model_mismatch`` unless ``model_fingerprint`` is this engine's (``allow_any``: or empty, for work
+        that carries tokens only, from a sender that names no build). ``what`` names the message in the error."""
+        engine = self.engine
+        if model_fingerprint == engine.fingerprint or (allow_any and not model_fingerprint):
+            return
+        raise DeepinferError(ErrorCode.MODEL_MISMATCH, f"{what} is for model build {model_fingerprint or '(unnamed)'}"
+                             f"; this worker serves {engine.model.config.model_id} build {engine.fingerprint}")
+
+    def check_handoff(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                      shape: list[int], dtype: str, *, model_fingerprint: str) -> None:
+        """Raise unless a hand-off of ``prompt_token_ids`` + ``first_token`` whose payload is ``shape`` / ``dtype``,
+        computed by the build ``model_fingerprint``, can be imported here. Allocates and reads nothing."""
+        self.check_import(prompt_token_ids, [first_token], params, shape, dtype, model_fingerprint)
+
+    def import_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                         params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
+                         model_fingerprint: str, has_window: list[bool] | None = None) -> bool:
+        """``import_running`` with one output token: ``kv: [ceil(len(prompt) / block_size), L, 2, kvh, bs, D]``."""
+        return self.import_running(request_id, prompt_token_ids, [first_token], params, kv, cache_salt, hold_kv,
+                                   model_fingerprint=model_fingerprint, has_window=has_window)
+
+    # -- migration -------------------------------------------------------------------------------------
+    def detach(self, request_id: str) -> Detached:
+        """Take a running request out of the batch, blocks kept. ``invalid_request`` if it is not running, or not
+        at a decode step boundary (queued, preempted, mid-prefill: there is no live KV to move)."""
+        engine = self.engine
+        req = engine.requests.get(request_id)
+        if req is None or request_id in self.detached:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not running here")
+        if (req.status != RequestStatus.RUNNING or req not in engine.scheduler.running or req.spec_token_ids
+                or req.num_output_tokens < 1 or req.num_computed_tokens != req.num_tokens - 1):
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not decoding "
+                                 f"({req.num_computed_tokens}/{req.num_tokens} tokens computed)")
+        engine.scheduler.remove(req, free_blocks=False)
+        self.detached[request_id] = req
+        ids = self._bm.block_ids(request_id)[:-(-(req.num_tokens - 1) // engine.config.block_size)]
+        state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else b""
+        return Detached(list(req.prompt_token_ids), list(req.output_token_ids), list(ids), state,
+                        req.stats.num_cached_tokens)
+
+    def full_blocks(self, request_id: str) -> tuple[list[int], list[int], str]:
+        """Pre-copy: ``(block ids, token ids, cache salt)``: a running request's computed full blocks (their KV
+        never changes while it runs), all its tokens so far, and the salt its block hashes are chained with."""
+        req = self.engine.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING or request_id in self.detached:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not running here")
+        full = min(req.num_computed_tokens, req.num_tokens - 1) // self.engine.config.block_size
+        return list(self._bm.block_ids(request_id)[:full]), list(req.all_token_ids), req.cache_salt
+
+    def holds_blocks(self, request_id: str, block_ids: list[int]) -> bool:
+        """Whether the request still runs on exactly ``block_ids`` first (no preemption since ``full_blocks``:
+        what was copied from them meanwhile is its KV)."""
+        req = self.engine.requests.get(request_id)
+        return (req is not None and req.status == RequestStatus.RUNNING
+                and self._bm.block_ids(request_id)[:len(block_ids)] == block_ids)
+
+    def reattach(self, request_id: str) -> None:
+        """Put a detached request back into the batch as it was (the migration did not happen)."""
+        req = self.detached.pop(request_id, None)
+        if req is None or self.engine.requests.get(request_id) is not req:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not detached here")
+        self.engine.scheduler.join_running(req)
+
+    def drop_detached(self, request_id: str) -> None:
+        """Forget a detached request that now runs elsewhere and free its blocks (hashed ones stay cached)."""
+        req = self.detached.pop(request_id, None)
+        if req is not None:
+            self._bm.free(request_id)
+            self.engine.forget(req, "migrated")
+
+    def check_import(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
+                     shape: list[int], dtype: str, model_fingerprint: str, generator_state: bytes = b"",
+                     first_block: int = 0) -> None:
+        """Raise unless a request of ``prompt_token_ids`` + ``output_token_ids`` (the KV of all but the newest
+        token, from block ``first_block`` on, in a payload of ``shape`` / ``dtype``, computed by the build
+        ``model_fingerprint``) can be imported here. Allocates and reads nothing."""
+        engine, bs = self.engine, self.engine.config.block_size
+        self.check_model(model_fingerprint, "the KV hand-off")
+        engine.validate(prompt_token_ids, params)
+        vocab = engine.model.config.vocab_size
+        if not output_token_ids or len(output_token_ids) > params.max_tokens:
+            raise invalid(f"{len(output_token_ids)} output tokens for max_tokens {params.max_tokens}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in output_token_ids):
+            raise invalid(f"output token ids (a hand-off's first_token) must be in [0, {vocab})")
+        if len(generator_state) > MAX_GENERATOR_STATE_BYTES or (generator_state and params.seed is None):
+            raise invalid(f"a generator state needs a seeded request and at most {MAX_GENERATOR_STATE_BYTES} bytes")
+        with_kv = len(prompt_token_ids) + len(output_token_ids) - 1
+        if not 0 <= first_block <= with_kv // bs:
+            raise invalid(f"first_block {first_block} is not a full block of {with_kv} tokens")
+        want = [-(-with_kv // bs) - first_block, *self.block_shape]
+        if list(shape) != want or dtype != self.dtype_name:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(shape)} {dtype} does not match this "
+                                 f"engine's {want} {self.dtype_name} for {with_kv} tokens")
+
+    def import_running(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                       params: SamplingParams, kv: torch.Tensor, cache_salt: str = "", hold_kv: bool = False, *,
+                       model_fingerprint: str, generator_state: bytes = b"", first_block: int = 0,
+                       has_window: list[bool] | None = None) -> bool:
+        """Admit a request that ran elsewhere: True if its KV was used, False if it was queued for local recompute
+        (no room). ``kv: [ceil((len(prompt) + len(outputs) - 1) / block_size) - first_block, L, 2, kvh, bs, D]``:
+        the blocks before ``first_block`` must be in this engine's prefix cache (pre-copied), else
+        ``transfer_failed`` and nothing changes. ``has_window`` (per payload block, from its packed form): a
+        layout that cannot take partial blocks recomputes instead (its prefix cache would serve them whole)."""
+        engine, bm, bs = self.engine, self._bm, self.engine.config.block_size
+        if request_id in engine.requests:
+            raise invalid(f"duplicate request id {request_id!r}")
+        self.check_import(prompt_token_ids, output_token_ids, params, list(kv.shape),
+                          str(kv.dtype).removeprefix("torch."), model_fingerprint, generator_state, first_block)
+        req = engine.new_request(request_id, prompt_token_ids, params, cache_salt)
+        req.hold_kv = hold_kv
+        if generator_state:
+            try:
+                req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+            except RuntimeError as err:
+                raise invalid(f"bad generator state: {err}") from None
+        req.stats.first_token_time = req.stats.arrival_time
+        for token in output_token_ids:   # the engine's own rule (LLMEngine._append_one): stop tokens are not fed
+            req.append_token(token)
+            req.stats.token_times.append(req.stats.arrival_time)
+            if req.detokenizer is not None and not engine.is_stop_token(token, params):
+                req.output_text += req.detokenizer.feed(token)
+        with_kv = req.num_tokens - 1
+        hits, _ = bm.get_computed_blocks(req, q0=with_kv)  # window blocks: only what its next query will see
+        if len(hits) < first_block:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{first_block} pre-copied blocks expected in the prefix "
+                                 f"cache, {len(hits)} found (evicted since)")
+        engine.requests[request_id] = req
+        sched, new_ids = engine.scheduler, None
+        if bm.accepts(has_window) and sched.has_seat():
+            new_ids = bm.allocate_slots(req, with_kv - len(hits) * bs, hits, q0=with_kv)
+        if new_ids is None:
+            sched.add(req)  # recompute locally when there is room; exact, just slower
+            return False
+        self.write(request_id, len(hits), kv[len(hits) - first_block:])  # the payload's blocks this cache lacks
+        req.num_computed_tokens = with_kv
+        req.status = RequestStatus.RUNNING
+        req.stats.first_scheduled_time = time.perf_counter()
+        req.stats.num_cached_tokens = len(hits) * bs
+        sched.join_running(req)
+        return True
+
+    # -- cache tier ------------------------------------------------------------------------------------
+    def _scratch_request(self, prompt_token_ids: list[int], cache_salt: str) -> Request:
+        """A request object used only for its block hashes and keys (never scheduled)."""
+        engine = self.engine
+        return Request("~tier", prompt_token_ids, _SCRATCH_PARAMS, block_size=engine.config.block_size,
+                       model_fingerprint=engine.fingerprint, cache_salt=cache_salt)
+
+    def _reusable_blocks(self, prompt_token_ids: list[int]) -> int:
+        """Leading full blocks of a prompt a cache may supply: one token is always computed (its logits)."""
+        return max(0, (len(prompt_token_ids) - 1) // self.engine.config.block_size)
+
+    def missing_blocks(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, BlockChain]:
+        """``(first, chain)``: the prompt's reusable blocks from index ``first`` on are not in the local prefix
+        cache; ``chain`` names all its reusable blocks (what the tier is asked for)."""
+        req = self._scratch_request(prompt_token_ids, cache_salt)
+        usable = self._reusable_blocks(prompt_token_ids)
+        first = min(self._bm.cached_prefix(req), usable) if self.engine.config.enable_prefix_caching else usable
+        return first, BlockChain.of(self.engine.fingerprint, req.block_digests[:usable])
+
+    def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
+                           has_window: list[bool] | None = None) -> int:
+        """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt, unpacked; block ``j``
+        carries its window layers' rows when ``has_window[j]``, default all) in the prefix cache. Returns how many
+        of them a prefix lookup now reuses (the layout's hit rule: blocks without the window rows a hit needs do
+        not count; fewer when the pool has no free room; 0 with prefix caching off)."""
+        want = [-1, *self.block_shape]
+        if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != self.kv_cache.dtype:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "
+                                 f"this engine's blocks {want[1:]} {self.kv_cache.dtype}")
+        has_window = [True] * int(kv.shape[0]) if has_window is None else list(has_window)
+        if len(has_window) != kv.shape[0]:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{len(has_window)} window flags for {kv.shape[0]} blocks")
+        if not self.engine.config.enable_prefix_caching or kv.shape[0] == 0:
+            return 0
+        req = self._scratch_request(prompt_token_ids, cache_salt)
+        count = max(0, min(int(kv.shape[0]), self._reusable_blocks(prompt_token_ids) - first))
+        imported = self._bm.import_cached(req, first, count, has_window[:count])
+        kv_cache.scatter(self._kv, imported.rows, kv[:count])
+        return max(0, imported.num_blocks - first)
+
+    def tier_blocks(self, request_id: str, first: int = 0,
+                    running: bool = False) -> tuple[list[int], BlockChain, list[int]]:
+        """``(block_ids, chain, token_ids)`` of a held (or detached, migrating; with ``running`` also a running)
+        request's computed full blocks from index ``first`` on; ``token_ids`` is flat, ``block_size`` per block. A
+        running request's blocks change at the next step: copy them in the same engine command."""
+        engine = self.engine
+        req = self.held.get(request_id) or self.detached.get(request_id) or \
+            (engine.requests.get(request_id) if running else None)
+        if req is None:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+        bs = engine.config.block_size
+        req.update_block_hashes()
+        full = min(req.num_computed_tokens // bs, len(req.block_hashes))
+        first = max(0, first)
+        ids = self._bm.block_ids(request_id)[first:full]
+        chain = BlockChain.of(engine.fingerprint, req.block_digests[first:first + len(ids)])
+        return ids, chain, req.all_token_ids[first * bs:(first + len(ids)) * bs]

@@ -32,7 +32,7 @@ from services.router.workers import WorkerTable
 from shared import protocol
 from shared.engine.block_manager import BlockManager
 from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.kv.block_hash import hash_prompt_blocks
 from services.router.policy.kv_index import KVIndex
 from services.router.policy.types import CostModel

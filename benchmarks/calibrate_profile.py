@@ -21,7 +21,7 @@ import time
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from services.router.policy.profiles import SMOLLM2_CPU, Profile, calibrate_chunks, calibrate_decode
 
 logger = logging.getLogger("calibrate_profile")

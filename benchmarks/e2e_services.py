@@ -25,7 +25,7 @@ from shared import protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
 

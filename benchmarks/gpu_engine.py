@@ -25,7 +25,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "data" / "engine_prompts.json"
 log = logging.getLogger("bench.gpu")

@@ -88,7 +88,7 @@ def engine_burst(prompts: list[list[int]], max_tokens: int) -> dict:
     """The in-process engine on the same work (every prompt added at once, stepped to the end)."""
     from shared.engine.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
 
     engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

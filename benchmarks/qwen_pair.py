@@ -159,7 +159,7 @@ def make_engine(path: Path | str, device: str = "cpu", threads: int | None = Non
 def generate(engine, prompts: list[list[int]], new_tokens: int,
              ignore_eos: bool = False) -> tuple[list[list[int]], int, float, float]:
     """Greedy outputs, the number of engine steps (= target forwards), wall and process CPU seconds."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
     ids = [engine.add_request(p, params) for p in prompts]

@@ -26,7 +26,7 @@ from shared import protocol, subjects
 from shared.bus import connect
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.nats_server import EmbeddedNatsServer
 from shared.spec.breaker import CircuitBreaker

@@ -154,7 +154,7 @@ def target_outputs(engine, prompts: list[tuple[str, list[int]]], max_tokens: int
                    cache: str | None) -> list[list[int]]:
     """The target's greedy outputs (``max_tokens`` each, or fewer ending in EOS), reused from ``cache`` when it
     holds exactly these prompts and ``max_tokens``."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
 
     key = {"max_tokens": max_tokens, "prompts": [ids for _, ids in prompts]}
     if cache and Path(cache).is_file():

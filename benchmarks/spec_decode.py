@@ -25,7 +25,7 @@ import time
 from benchmarks.spec_acceptance_data import build_prompts, split_pool
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.spec.confidence import FixedK, load_head
 from shared.spec.factory import make_drafter, shipped_head

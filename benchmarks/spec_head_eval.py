@@ -97,7 +97,7 @@ def offline_eval(head: ConfidenceHead, path: Path, drafter: str) -> dict[str, An
 
 def target_outputs(engine, items: list[Item], max_tokens: int, cache: Path) -> dict[str, list[int]]:
     """Greedy output per prompt name, one prompt at a time (reused from ``cache`` when it holds the same key)."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
 
     key = {"max_tokens": max_tokens, "prompts": {name: ids for name, ids in items}}
     if cache.is_file() and (saved := json.loads(cache.read_text())).get("key") == key:
@@ -111,7 +111,7 @@ def target_outputs(engine, items: list[Item], max_tokens: int, cache: Path) -> d
 
 def online_eval(engine, drafter, head: ConfidenceHead, items: list[Item], new_tokens: int) -> dict[str, Any]:
     """Plain vs fixed k=5 / k=3 / head on ``items`` (single stream); per config: stats, speed-up, identical."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
     from shared.engine.speculator import SpecConfig, Speculator
 
     specs = {"fixed k=5": Speculator(drafter, SpecConfig(k=5)), "fixed k=3": Speculator(drafter, SpecConfig(k=3)),

@@ -31,7 +31,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import pool_sizes, window_blocks_per_seq
 from shared.engine.hybrid_kv import min_window_blocks
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.model import gemma3
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel

@@ -29,7 +29,7 @@ from services.cache_tier.blocks import fits, to_blocks, to_payload, window_mask
 from shared import protocol
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.kv import block_pack
 from shared.model.locate import resolve_model
 

@@ -33,7 +33,7 @@ from shared import nats_auth, protocol
 from shared.bus import connect
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError
 
 

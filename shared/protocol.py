@@ -10,9 +10,9 @@ over the per-type byte limit. ``encode`` enforces the same byte limits, so a sen
 
 The cluster's control-plane messages (heartbeats, registry entries, KV events and snapshots, request probes)
 are defined in ``shared.protocol_control``, the cache tier's and the stats messages in ``shared.protocol_cache``,
-the draft service's in ``shared.protocol_draft``, the worker path's (``Sampling``, ``PrefillRequest``,
-``KVHandoff``, ``DecodeLocalRequest``) in ``shared.protocol_work``; all are re-exported here: import every
-message from this module.
+the draft service's in ``shared.protocol_draft``, the worker path's (``PrefillRequest``, ``KVHandoff``,
+``DecodeLocalRequest``) in ``shared.protocol_work``, a request's ``Sampling`` (the engine's ``SamplingParams``) in
+``shared.sampling``; all are re-exported here: import every message from this module.
 
 Errors over NATS: a service answers a failed request with ``encode(ErrorReply.from_exception(err))`` as the
 body and ``error_headers(err)`` as headers; callers use ``decode_reply`` to get the message or the raised
@@ -28,7 +28,8 @@ from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES
                                      LoadReport, MigrateRequest, RequestProbe, RoleSwitch, ScaleRequest,
                                      WorkerInfo)
 from shared.protocol_work import (DTYPES, MAX_PROMPT_TOKENS, DecodeLocalRequest, KVHandoff, KVPrecopy,
-                                  PrefillRequest, Sampling)
+                                  PrefillRequest)
+from shared.sampling import Sampling, SamplingParams
 from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
                                    StatsRequest)
 from shared.protocol_draft import DraftReply, DraftRequest
@@ -36,7 +37,7 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
                                     encode, registered_types, wire_field, wire_message)
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
-           "encode", "decode", "decode_reply", "error_headers", "Sampling", "GenerateRequest", "TokenChunk",
+           "encode", "decode", "decode_reply", "error_headers", "Sampling", "SamplingParams", "GenerateRequest", "TokenChunk",
            "CancelRequest", "PrefillRequest", "KVHandoff", "KVPrecopy", "DecodeLocalRequest", "RequestProbe",
            "MigrateRequest", "RoleSwitch", "ScaleRequest", "Ack", "ErrorReply",
            "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
@@ -116,9 +117,9 @@ class GenerateRequest(WireModel):
         _check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
         self.sampling()
 
-    def sampling(self) -> Sampling:
-        """The request's sampling parameters as the nested wire message (validated: ``invalid_request``)."""
-        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+    def sampling(self) -> SamplingParams:
+        """The request's sampling parameters, the value every hop carries (validated: ``invalid_request``)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                         top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                         ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, speculative=self.speculative)
 

@@ -1,4 +1,4 @@
-"""The worker-path wire messages: a request's ``Sampling`` and what the router and workers send each other to
+"""The worker-path wire messages: what the router and workers send each other to
 serve it (``PrefillRequest``, ``KVHandoff``, ``DecodeLocalRequest``). Same codec and rules as every message
 (``shared.wire_validation``); import them from ``shared.protocol``, which re-exports them.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shared.protocol_control import MAX_CONTROL_BYTES, _check_fingerprint
-from shared.sampling_rules import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
+from shared.protocol_control import _check_fingerprint
+from shared.sampling import SamplingParams
 from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
                                 _check_window_mask, _check_worker, _require)
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
@@ -21,29 +21,6 @@ MAX_PROMPT_TOKENS = 1_000_000
 MAX_GENERATOR_STATE_BYTES = 16 << 10  # a CPU torch.Generator's state is 5,056 bytes
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
           "int64", "int32", "int16", "int8", "uint8")
-
-
-@wire_message(MAX_CONTROL_BYTES)
-class Sampling(WireModel):
-    """A request's sampling parameters, nested in every internal message that carries a request. The router
-    builds it once from the client's request (``GenerateRequest.sampling()``); it travels unchanged through
-    prefill and hand-off; each engine turns it into its ``SamplingParams`` once. Rules:
-    ``shared/sampling_rules.py`` (the same ones the engine runs)."""
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    speculative: bool | None = None  # speculative decoding; None = the decode worker's default
-
-    def _check(self) -> None:
-        check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                       top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                       min_tokens=self.min_tokens)
 
 
 class _SamplingChecks:
@@ -68,7 +45,7 @@ class PrefillRequest(WireModel, _SamplingChecks):
     another build than ``model_fingerprint`` refuses it (``model_mismatch``; "" = any build)."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: Sampling
+    sampling: SamplingParams
     decode_worker: str
     transport: str
     reply_to: str                   # subject receiving TokenChunks
@@ -100,7 +77,7 @@ class KVHandoff(WireModel, _SamplingChecks):
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
     first_token: int
-    sampling: Sampling
+    sampling: SamplingParams
     reply_to: str
     cache_salt: str
     num_blocks: int
@@ -183,7 +160,7 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     as in ``PrefillRequest``)."""
     request_id: str
     prompt_token_ids: list[int] = wire_field(max_len=MAX_PROMPT_TOKENS)
-    sampling: Sampling
+    sampling: SamplingParams
     reply_to: str
     cache_salt: str = ""
     deadline_s: float = 60.0        # seconds remaining (may be <= 0: the worker ends it with ``timeout``)

@@ -1,7 +1,6 @@
 """The cache tier's config (``python -m services.cache_tier``)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 

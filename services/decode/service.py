@@ -21,7 +21,7 @@ from shared.kv import block_pack
 from shared.kv.transport import handle_meta
 from shared.metrics.common import OUTCOME_FINISHED
 from services.worker.metrics import FINISH_REASONS, OUTCOME_MIGRATED
-from services.worker.base import Worker, sampling_params
+from services.worker.base import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class DecodeService(Worker):
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest, protocol.KVPrecopy))
         if isinstance(req, protocol.KVPrecopy):
             return await self.desk.on_precopy(msg, req)
-        params = sampling_params(req.sampling)
+        params = req.sampling
         rid, eng = req.request_id, self.engine
         handoff = isinstance(req, protocol.KVHandoff)
         if handoff:

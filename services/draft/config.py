@@ -1,7 +1,6 @@
 """The draft service's config (``python -m services.draft``)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig

@@ -18,7 +18,7 @@ from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.metrics.common import OUTCOME_FINISHED
 from services.worker.metrics import OUTCOME_HANDED_OFF
-from services.worker.base import Worker, sampling_params
+from services.worker.base import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class PrefillService(Worker):
             raise DeepinferError(ErrorCode.INVALID_REQUEST, "a PrefillRequest needs a reply subject for its Ack")
         req = protocol.decode(msg.data, protocol.PrefillRequest)
         self.engine.kv_port.check_model(req.model_fingerprint, "the prefill request", allow_any=True)
-        params = sampling_params(req.sampling)
+        params = req.sampling
         if req.transport not in self.transports:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
         self.engine.validate(req.prompt_token_ids, params)
@@ -66,19 +66,19 @@ class PrefillService(Worker):
         ``handed_off``)."""
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
-        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        one = dataclasses.replace(params, prefill_only=True)   # the first token, KV held for the hand-off
         pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
         imported: list[int] = []
         submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
-            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True, continues=params.max_tokens > 1), imported)
+            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), imported)
         outs = [o async for o in self.aengine.run(rid, submit, 2)]
         final = outs[-1]
         computed_from[0] = final.num_cached_tokens // eng.config.block_size
         tier_tokens = min(sum(imported) * eng.config.block_size, final.num_cached_tokens)
-        if final.finish_reason not in ("length", "stop"):
+        if final.finish_reason not in ("length", "stop", "prefilled"):
             raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
         self.metrics.prompt_done(final.num_prompt_tokens, final.num_cached_tokens, tier_tokens)
-        if final.finish_reason == "stop" or params.max_tokens == 1:  # the engine's stop rule ended it
+        if final.finish_reason != "prefilled":  # a stop rule of the whole request ended it at its first token
             await self.publish_output(req.reply_to, 0, final, {"tier_cached_tokens": tier_tokens})
             return OUTCOME_FINISHED
         await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))

@@ -24,7 +24,6 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
-from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.registry import available_transports, make_transport
 from shared.kv_events import KVEventPublisher
@@ -259,14 +258,6 @@ class Worker(TierMixin, Service):
                 with contextlib.suppress(Exception):
                     await self.nc.publish(reply_to, protocol.encode(protocol.TokenChunk.from_error(rid, 0, err)))
         logger.info("%s handed back %d requests", self.config.worker_id, sum(t.cancelled() for t, _ in held.values()))
-
-
-def sampling_params(sampling: protocol.Sampling) -> SamplingParams:
-    """The engine's parameters for a request's wire ``Sampling`` (built once per request and hop)."""
-    return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p, seed=sampling.seed, stop=tuple(sampling.stop),
-                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-                          min_tokens=sampling.min_tokens, speculative=sampling.speculative)
 
 
 def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None) -> None:

@@ -1,7 +1,6 @@
 """The prefill and decode workers' config (``python -m services.prefill|decode|switchable``)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig

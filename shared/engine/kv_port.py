@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain

@@ -19,7 +19,7 @@ from shared.engine.kv_port import KVPort
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.model.fingerprint import model_fingerprint
@@ -83,11 +83,8 @@ class LLMEngine:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens {reason}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str = "", hold_kv: bool = False, continues: bool = False,
-                    pin_prompt_window: bool = False) -> str:
+                    cache_salt: str = "", hold_kv: bool = False, pin_prompt_window: bool = False) -> str:
         """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``KVPort.release_held``).
-        ``continues``: its length stop is not the stream's end (a prefill worker's first token; the decode
-        worker goes on), so text held back for an incomplete UTF-8 character is not flushed as U+FFFD.
         ``pin_prompt_window``: with SWA-aware KV, keep the window rows the prompt's prefill left until the caller
         lifts it (``Request.window_pin``; ``HybridBlockManager.pinned``), for a copy of the prompt to the tier."""
         request_id = request_id or f"req-{next(self._ids)}"
@@ -95,7 +92,7 @@ class LLMEngine:
             raise invalid(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         req = self.new_request(request_id, prompt_token_ids, params, cache_salt)
-        req.hold_kv, req.flush_text = hold_kv, not continues
+        req.hold_kv = hold_kv
         if pin_prompt_window and not self.kv_port.stages_in_place:
             req.window_pin = 0       # follows the prefill chunks (HybridBlockManager.allocate_slots)
         self.requests[request_id] = req
@@ -190,8 +187,9 @@ class LLMEngine:
                 # as plain decoding would have: blocks whose tokens all have KV, the newest token excluded
                 self.block_manager.publish_computed(req, min(req.num_computed_tokens, req.num_tokens - 1))
             if reason is not None:
-                if req.detokenizer is not None and reason == "length" and req.flush_text:
+                if req.detokenizer is not None and reason == "length":
                     text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
+                # "prefilled" flushes nothing: the stream goes on in the decode worker, which gets the same bytes
                 return self._finish(req, reason, tokens[:i + 1], text)
         return RequestOutput(req.request_id, list(tokens), text, False)
 
@@ -212,6 +210,8 @@ class LLMEngine:
             reason = "stop"
         elif reason is None and (req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
+        elif reason is None and params.prefill_only:
+            reason = "prefilled"   # the first token; the request goes on elsewhere from its held KV
         return text, reason
 
     @staticmethod

@@ -112,7 +112,7 @@ class ModelRunner:
         p = req.params
         if not p.min_tokens or len(req.all_token_ids) - len(req.prompt_token_ids) >= p.min_tokens:
             return ()
-        return self._eos + p.stop_token_ids
+        return (*self._eos, *p.stop_token_ids)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Run one step; return ``{request_id: new tokens}`` for requests that reached a sample point: one

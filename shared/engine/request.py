@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.kv.block_hash import block_key, chain_digests
 
 
@@ -52,7 +52,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
-                 "spec_features", "flush_text")
+                 "spec_features")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
@@ -62,7 +62,6 @@ class Request:
         self.cache_salt, self.model_fingerprint, self.block_size = cache_salt, model_fingerprint, block_size
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.flush_text = True  # at a length stop, emit held-back bytes (False: the stream goes on elsewhere)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.block_digests: list[bytes] = []  # chained digests of the full blocks (shared/kv/block_hash.py)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from shared.engine.sampler import probabilities
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,

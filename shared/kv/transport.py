@@ -275,6 +275,21 @@ class KVTransport(abc.ABC):
         """Release everything this instance staged and drop receiver-side caches. Idempotent."""
         self.closed = True
 
+    def _fetch_target(self, handle: dict, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """A fetch's first step: ``(the tensor the payload lands in, its byte count)``; raises when closed or when
+        the handle's dtype / shape / nbytes disagree (``output_tensor``)."""
+        self._check_open()
+        return output_tensor(handle, out), int(handle["nbytes"])
+
+    async def _close_staged(self) -> bool:
+        """Mark closed and release every staged transfer; False (nothing done) when already closed."""
+        if self.closed:
+            return False
+        self.closed = True
+        for tid in list(self._staged):
+            await self.release(tid)
+        return True
+
     def _check_open(self) -> None:
         if self.closed:
             raise transfer_failed(f"{self.name} transport of {self.worker_id} is closed")

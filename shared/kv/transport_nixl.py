@@ -40,7 +40,7 @@ from nats import errors as nats_errors
 from shared import subjects
 from shared.errors import DeepinferError
 from shared.kv.transport import (KVTransport, handle_fields, check_blocks, check_payload, dtype_name, host_blocks,
-                                 output_tensor, sync_with_server, transfer_failed, unsubscribe_quietly)
+                                 sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +208,7 @@ class NixlTransport(KVTransport):
             raise transfer_failed(f"nixl: transfer on {subject} is not staged {when} (released or unknown)")
 
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
-        self._check_open()
-        result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
-        nbytes = int(handle["nbytes"])
+        result, nbytes = self._fetch_target(handle, out)
         if nbytes == 0:
             return result
         peer, md, addr, subject = handle_fields(handle, "nixl", agent=str, md=bytes, addr=int, subject=str)

@@ -37,7 +37,7 @@ import torch
 
 from shared.errors import DeepinferError
 from shared.kv.transport import (THREAD_COPY_BYTES, KVTransport, handle_fields, as_bytes, check_blocks,
-                                 check_payload, dtype_name, gather_blocks_into, host_copy_, in_thread, output_tensor,
+                                 check_payload, dtype_name, gather_blocks_into, host_copy_, in_thread,
                                  transfer_failed)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
@@ -268,9 +268,7 @@ class ShmTransport(KVTransport):
 
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
         """Copy the staged bytes out of the sender's segment. Local memory only: bounded by the copy itself."""
-        self._check_open()
-        result = output_tensor(handle, out)                   # validates dtype/shape/nbytes
-        nbytes = int(handle["nbytes"])
+        result, nbytes = self._fetch_target(handle, out)
         if nbytes == 0:
             return result
         name, token, offset = handle_fields(handle, "shm", segment=str, token=int, offset=int)

@@ -28,7 +28,7 @@ import torch
 from nats import errors as nats_errors
 
 from shared import subjects
-from shared.kv.transport import (KVTransport, handle_fields, as_bytes, check_payload, dtype_name, output_tensor,
+from shared.kv.transport import (KVTransport, handle_fields, as_bytes, check_payload, dtype_name,
                                  sync_with_server, transfer_failed, unsubscribe_quietly)
 
 log = logging.getLogger(__name__)
@@ -148,9 +148,7 @@ class StreamTransport(KVTransport):
                               "or the fetch deadline passed")
 
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
-        self._check_open()
-        result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
-        nbytes = int(handle["nbytes"])
+        result, nbytes = self._fetch_target(handle, out)
         subject, chunk, chunks = handle_fields(handle, "stream", subject=str, chunk=int, chunks=int)
         if not subjects.is_kv_pull(subject):  # never publish to a subject a peer made up (long ones kill the link)
             raise transfer_failed(f"stream handle subject {subject[:64]!r} is not a KV pull subject")
@@ -187,8 +185,5 @@ class StreamTransport(KVTransport):
         return result
 
     async def close(self) -> None:
-        if self.closed:
+        if not await self._close_staged():
             return
-        self.closed = True
-        for tid in list(self._staged):
-            await self.release(tid)

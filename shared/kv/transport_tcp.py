@@ -30,7 +30,7 @@ import socket
 
 import torch
 
-from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, handle_fields, output_tensor,
+from shared.kv.transport import (KVTransport, as_bytes, check_payload, dtype_name, handle_fields,
                                  transfer_failed)
 
 log = logging.getLogger(__name__)
@@ -147,12 +147,10 @@ class TcpTransport(KVTransport):
 
     # ---------------------------------------------------------------- receiver
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:
-        self._check_open()
-        result = output_tensor(handle, out)                    # validates dtype/shape/nbytes
+        result, nbytes = self._fetch_target(handle, out)
         host, port, token = handle_fields(handle, "tcp", host=str, port=int, token=str)
         if len(token) != TOKEN_BYTES or not 0 < port < 65536:
             raise transfer_failed("malformed tcp handle: bad token or port")
-        nbytes = int(handle["nbytes"])
         if nbytes == 0:
             return result
         dst = memoryview(as_bytes(result).numpy()).cast("B")  # the output's own memory
@@ -183,11 +181,8 @@ class TcpTransport(KVTransport):
                 got += n
 
     async def close(self) -> None:
-        if self.closed:
+        if not await self._close_staged():
             return
-        self.closed = True
-        for tid in list(self._staged):
-            await self.release(tid)
         tasks = [t for t in (self._accepting, *self._serving) if t is not None]
         for task in tasks:
             task.cancel()

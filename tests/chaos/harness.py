@@ -34,7 +34,7 @@ from shared import protocol, subjects
 from cli.launcher import Cluster, ClusterSpec
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 NO_RESPONDERS = "503"  # status header of the message NATS sends to a reply inbox when nobody subscribes
 TOKEN_LO, TOKEN_HI = 3, 280  # ids of the tiny byte-level vocabulary that are plain tokens (no specials)

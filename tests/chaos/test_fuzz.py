@@ -32,7 +32,7 @@ from cli.launcher import Cluster
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
 from tests.chaos.fuzz_cache import TierBlocks, seed_tier, served_exactly
 from tests.chaos.fuzz_cluster import (GOOD_MAX_TOKENS, cluster_spec, good_request, probe, rss_mib, scan_logs,

@@ -14,7 +14,7 @@ from services.router.config import RouterConfig
 from services.worker.config import WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.client import generate
 from shared import protocol
 from tests.integration.conftest import connect

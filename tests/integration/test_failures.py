@@ -11,7 +11,7 @@ from nats.js.errors import KeyNotFoundError
 from shared import protocol, subjects
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from tests.integration.conftest import connect
 from tests.model_factory import write_tiny_hf_folder

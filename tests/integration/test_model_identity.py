@@ -20,7 +20,7 @@ from services.decode.service import DecodeService
 from shared import protocol
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.kv.block_hash import chain_digests, block_key
 from tests.integration.services_harness import (TIER_ID, InProcessCluster, generate_once, reference_outputs,
                                                 tier_config, wait_until, worker_config)

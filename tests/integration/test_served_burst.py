@@ -14,7 +14,7 @@ import pytest
 from benchmarks.engine_throughput import load_prompt_set
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from cli.launcher import Cluster, ClusterSpec
 
 pytestmark = pytest.mark.timeout(900)

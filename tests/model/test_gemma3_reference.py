@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.model import kv_cache
 from shared.model.attention import AttentionMetadata, PrefillChunk
 from shared.model.locate import resolve_model

@@ -4,7 +4,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.model.llama import LlamaModel
 from shared.model.loader import load_model_files
 from shared.model.locate import default_model_path

@@ -7,7 +7,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_hash
 from shared.kv.block_hash import DIGEST_BYTES, BlockChain, block_key, chain_digests, hash_prompt_blocks

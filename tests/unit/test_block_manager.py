@@ -1,7 +1,7 @@
 """Block manager: exact block ids, reference counts, prefix hits and eviction order."""
 from shared.engine.block_manager import BlockManager
 from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 
 BS = 4
 

@@ -9,7 +9,7 @@ from kernels import cascade_attention, cpu_paged_attention
 from kernels.paged_attention import paged_decode_attention_reference
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from tests.tiny_model import tiny_model
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import buckets
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.model.llama import LlamaModel
 from tests.tiny_model import random_weights, tiny_config, tiny_model

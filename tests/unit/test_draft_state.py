@@ -227,7 +227,7 @@ def test_the_engine_releases_a_finished_requests_draft_state():
     """A request that finishes (or is aborted) leaves no draft state behind in the engine's drafter."""
     from shared.engine.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling import SamplingParams
     from shared.engine.speculator import SpecConfig, Speculator
     from shared.spec.confidence import FixedK
     from shared.spec.draft_model import DraftModelDrafter, self_speculative

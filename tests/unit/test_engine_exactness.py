@@ -6,7 +6,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from tests.tiny_model import tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.llama import LlamaModel
 from tests.tiny_model import random_weights, tiny_model

@@ -7,7 +7,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from tests.tiny_model import tiny_model
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

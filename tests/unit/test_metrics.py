@@ -16,7 +16,7 @@ from services.worker.config import WorkerConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.speculator import Speculator
 from services.cache_tier.store import TieredBlockStore
 from services.worker.tier_client import TierClient

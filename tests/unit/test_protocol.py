@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import protocol as p
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_validation import WireModel
 from tests.unit.test_protocol_cache import CACHE_SAMPLES

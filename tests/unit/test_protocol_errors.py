@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from shared import protocol as p
-from shared.engine.sampling_params import SamplingParams
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_validation import WireModel, build, wire_field
 from tests.unit.test_protocol import SAMPLES, body
@@ -49,8 +48,8 @@ def test_error_headers():
 
 
 def test_encode_rejects_unregistered_objects():
-    with pytest.raises(TypeError):
-        p.encode(SamplingParams())
+    with pytest.raises(TypeError):   # a WireModel dataclass never registered with @wire_message
+        p.encode(_Inner(x=1))
 
 
 # ---- the generic validator -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.spec_verify import verify
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.spec.types import Proposal, TokenFeatures

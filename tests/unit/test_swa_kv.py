@@ -14,7 +14,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import HybridBlockManager, pool_sizes
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingParams
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.llama import LlamaModel

@@ -9,13 +9,15 @@ import sys
 import time
 from collections.abc import Callable
 
+from cli.flags import add_nats_url, deprecated
 from cli.traces import DEFAULT_TRACE_HELP, resolve_trace
+from shared.engine.config import DEFAULT_KV_CACHE_MB
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="replay a trace against a running cluster and measure TTFT/TPOT")
     p.add_argument("--trace", default=None, help=DEFAULT_TRACE_HELP)
-    p.add_argument("--url", required=True, help="NATS URL of the running cluster (nats://host:port)")
+    add_nats_url(p, "the running cluster's NATS server", required=True)
     p.add_argument("--limit", type=int, default=100, help="first N requests only")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first (a later window)")
     p.add_argument("--scale", type=int, default=32, help="divide lengths by this (512/scale tokens per block)")
@@ -28,14 +30,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="token synthesis seed")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--simulate", action="store_true", help="also simulate the same scaled requests")
-    p.add_argument("--profile", default="smollm2-cpu", help="simulator profile (with --simulate)")
+    p.add_argument("--sim-profile", default="smollm2-cpu", help="simulator profile (with --simulate)")
+    deprecated(p, "--profile", "--sim-profile", "sim_profile")
     p.add_argument("--profile-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile constant for the simulation, e.g. prefill_b=0.004 (repeatable)")
     p.add_argument("--save", default=None, help="write the per-request results (JSON) here")
     p.add_argument("--sim-policy", default="least_loaded", help="simulator placement policy")
-    p.add_argument("--prefill", type=int, default=0, help="simulated prefill workers (0 = aggregated)")
-    p.add_argument("--decode", type=int, default=1, help="simulated decode (or aggregated) workers")
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="per-worker KV cache, as the cluster's flag")
+    p.add_argument("--sim-prefill", type=int, default=0, help="simulated prefill workers (0 = aggregated)")
+    p.add_argument("--sim-decode", type=int, default=1, help="simulated decode (or aggregated) workers")
+    p.add_argument("--sim-kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB,
+                   help="simulated per-worker KV cache (the cluster's --kv-cache-mb)")
+    for old in ("prefill", "decode", "kv-cache-mb"):
+        deprecated(p, f"--{old}", f"--sim-{old}", f"sim_{old.replace('-', '_')}", type=int)
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
     return p
 
@@ -53,24 +59,24 @@ def simulate_scaled(trace, reqs, args) -> dict:
     from cli.replay import TRACE_BLOCK
     from simulator.simulate import simulate
 
-    prof = get_profile(args.profile)
+    prof = get_profile(args.sim_profile)
     if args.profile_set:
         import dataclasses
 
         kv = dict(item.split("=", 1) for item in args.profile_set)
         prof = dataclasses.replace(prof, **{k: type(getattr(prof, k))(v) for k, v in kv.items()})
     block = TRACE_BLOCK // args.scale
-    cap = max(1, (args.kv_cache_mb << 20) // prof.block_bytes(block))
-    return simulate(scaled_trace(trace, reqs, args.scale), args.sim_policy, prof, num_workers=max(1, args.decode),
+    cap = max(1, (args.sim_kv_cache_mb << 20) // prof.block_bytes(block))
+    return simulate(scaled_trace(trace, reqs, args.scale), args.sim_policy, prof, num_workers=max(1, args.sim_decode),
                     kv_capacity_blocks=cap, ttft_slo_s=args.ttft_slo or None, tpot_slo_s=args.tpot_slo or None,
-                    speed=args.speed, prefill_workers=max(0, args.prefill), block_size=block)
+                    speed=args.speed, prefill_workers=max(0, args.sim_prefill), block_size=block)
 
 
 async def _replay(args, reqs) -> tuple[list[dict], float]:
     from shared.bus import connect
     from cli.replay import replay
 
-    nc = await connect(args.url, "bench")
+    nc = await connect(args.nats_url, "bench")
     try:
         t0 = time.perf_counter()
         results = await replay(nc, reqs, timeout_s=args.timeout, speed=1.0, prefill_mode=args.prefill_mode,
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
             json.dump(results, f)
     measured = metrics_from_replay(
         results, args.ttft_slo or None, args.tpot_slo or None, trace=scaled_trace(trace, reqs, args.scale),
-        label="measured", speed=args.speed, workers=max(1, args.decode), prefill_workers=max(0, args.prefill),
+        label="measured", speed=args.speed, workers=max(1, args.sim_decode), prefill_workers=max(0, args.sim_prefill),
         replay_wall_s=round(wall, 3), scale=args.scale)
     rows = [measured]
     emit(json_line(measured), flush=True)

@@ -12,6 +12,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 from shared import nats_auth
+from shared.engine.config import DEFAULT_KV_CACHE_MB
+from shared.spec.factory import DEFAULT_DRAFTER
 from shared.nats_cluster import NatsClusterNode
 
 
@@ -23,7 +25,7 @@ class ClusterSpec:
     model: str = ""
     served_model_name: str = ""  # the router's model id for clients ("" = from the model file)
     dtype: str = "auto"
-    kv_cache_mb: int = 256
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"
@@ -36,7 +38,7 @@ class ClusterSpec:
     cache_tier_reserve_dram: bool = False  # fault the DRAM budget in at start (``deepinfer up``/``node`` do)
     cache_tier_ssd_mb: int = 16384
     draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
-    drafter: str = "prompt_lookup"  # prompt_lookup | self:<layers> | a smaller model's path
+    drafter: str = DEFAULT_DRAFTER  # prompt_lookup | self:<layers> | a smaller model's path
     http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
     api_keys: str = ""  # the router's API keys (``RouterConfig.api_keys``), passed in its environment only
     http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP

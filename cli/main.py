@@ -27,6 +27,7 @@ import urllib.parse
 from tqdm import tqdm
 
 from cli import node as cli_node, up as cli_up
+from cli.flags import add_nats_url, check_required
 from cli.up import DEMO_PROMPT
 from shared.client import generate_stream
 from shared import nats_auth, protocol
@@ -112,14 +113,14 @@ def run_remote_generate(args: argparse.Namespace) -> int:
         **({"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}),
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=list(args.stop))
-    asyncio.run(stream_to_terminal(args.url, request, args.user, args.password))
+    asyncio.run(stream_to_terminal(args.nats_url, request, args.user, args.password))
     return 0
 
 
 async def _status(args: argparse.Namespace) -> int:
     from cli import status
 
-    nc = await connect(args.url, "deepinfer-status", user=args.user, password=args.password)
+    nc = await connect(args.nats_url, "deepinfer-status", user=args.user, password=args.password)
     try:
         report = await status.collect(nc, listen_s=args.listen)
     finally:
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt (in-process engine)")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--url", default=None, help="send to a running cluster (nats://...) instead of in-process")
+    add_nats_url(gen, "send to a running cluster instead of the in-process engine")
     _add_credential_args(gen)
     _add_engine_args(gen)
     _add_sampling_args(gen)
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_bench.add_parser(sub)
 
     st = sub.add_parser("status", help="workers, cache tiers, hit rates and accounting of a running cluster")
-    st.add_argument("--url", required=True, help="the cluster's NATS URL (nats://...)")
+    add_nats_url(st, "the cluster's NATS server", required=True)
     st.add_argument("--listen", type=float, default=1.5, help="seconds to listen for heartbeats")
     st.add_argument("--json", action="store_true", help="print the raw report as JSON")
     _add_credential_args(st)
@@ -200,13 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
-        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    check_required(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
-            return run_remote_generate(args) if args.url else run_generate(args)
+            return run_remote_generate(args) if args.nats_url else run_generate(args)
         if args.command == "up":
             return cli_up.run(args, print)
         if args.command == "node":

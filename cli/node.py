@@ -11,7 +11,7 @@ cache tier when it runs one, else the tier named by ``--tier`` (e.g. ``cache-<ot
 
 Example (3 hosts; ``python -m shared.nats_auth env --monitor --cluster > cluster.env`` once, copied to each):
 
-    hostA$ deepinfer node --name a --join hostB,hostC --passwords-file cluster.env --router
+    hostA$ deepinfer node --name a --join hostB,hostC --passwords-file cluster.env --router --http-host 0.0.0.0
     hostB$ deepinfer node --name b --join hostA,hostC --passwords-file cluster.env --prefill 1 --cache-tier 1
     hostC$ deepinfer node --name c --join hostA,hostB --passwords-file cluster.env --decode 2 --tier cache-b-0
 """
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli import up as cli_up
+from cli.flags import add_cluster_flags, add_nats_url, deprecated
 from shared import nats_auth
 from cli.cluster_spec import ClusterSpec
 from shared.nats_cluster import DEFAULT_ROUTE_PORT, ROUTE_USER, NatsClusterNode, route_url
@@ -39,8 +40,10 @@ def add_parser(sub) -> None:
                       help="this node's name: the NATS server name and part of every service id (default: hostname)")
     node.add_argument("--join", default="", metavar="HOST[:PORT],...",
                       help="route addresses of the other NATS nodes (port 6222 by default)")
-    node.add_argument("--nats-host", default="0.0.0.0", help="where this NATS node listens for clients and routes")
-    node.add_argument("--nats-port", type=int, default=NATS_CLIENT_PORT, help="its client port")
+    add_nats_url(node, "where this host's NATS node listens for clients (its routes: --route-port)",
+                 default=f"nats://0.0.0.0:{NATS_CLIENT_PORT}")
+    deprecated(node, "--nats-host", "--nats-url nats://HOST:PORT", "nats_host")
+    deprecated(node, "--nats-port", "--nats-url nats://HOST:PORT", "nats_port", type=int)
     node.add_argument("--route-port", type=int, default=DEFAULT_ROUTE_PORT, help="its route port")
     node.add_argument("--store-dir", default=None, help="its JetStream directory (default: a temporary one)")
     node.add_argument("--log-dir", default="", help="the services' log files (default: a temporary directory)")
@@ -57,18 +60,7 @@ def add_parser(sub) -> None:
     node.add_argument("--cache-tier", type=int, default=0, metavar="N", help="cache tier services to run here")
     node.add_argument("--tier", default="", metavar="ID",
                       help="the cache tier this host's workers use when it runs none (e.g. cache-b-0)")
-    node.add_argument("--cache-tier-dir", default=str(Path.home() / ".cache" / "deepinfer" / "cache-tier"))
-    cli_up.add_tier_memory_args(node)
-    cli_up.add_draft_args(node)
-    node.add_argument("--drafter", default="prompt_lookup")
-    node.add_argument("--model", default=None)
-    node.add_argument("--served-model-name", default="", help="the router's model id for clients")
-    node.add_argument("--dtype", default="auto")
-    node.add_argument("--local-prefill-threshold", type=int, default=64)
-    node.add_argument("--kv-cache-mb", type=int, default=1024)
-    node.add_argument("--transports", default="cuda_ipc,shm,nixl,tcp,stream")
-    node.add_argument("--http-host", default="0.0.0.0")
-    node.add_argument("--http-port", type=int, default=8000)
+    add_cluster_flags(node)
 
 
 def peer_client_urls(join: list[str], nats_port: int) -> list[str]:
@@ -80,22 +72,27 @@ def peer_client_urls(join: list[str], nats_port: int) -> list[str]:
 def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> ClusterSpec:
     """The ``ClusterSpec`` of this host's part (``ValueError`` for a bad combination)."""
     join = [j.strip() for j in args.join.split(",") if j.strip()]
+    listen = urllib.parse.urlsplit(args.nats_url if "://" in args.nats_url else f"nats://{args.nats_url}")
+    nats_host = getattr(args, "nats_host", None) or listen.hostname or "0.0.0.0"
+    nats_port = getattr(args, "nats_port", None) or listen.port or NATS_CLIENT_PORT
     passwords = {} if args.no_auth else nats_auth.read_passwords(Path(args.passwords_file).read_text())
     if passwords and ROUTE_USER not in passwords:
         raise ValueError("the passwords file has no NATS_PASSWORD_ROUTE (python -m shared.nats_auth env --cluster)")
     # no --join: a node of its own (nats-server refuses clustered JetStream without routes); `up` does the same
-    cluster = NatsClusterNode(server_name=args.name, listen=f"{args.nats_host}:{args.route_port}",
+    cluster = NatsClusterNode(server_name=args.name, listen=f"{nats_host}:{args.route_port}",
                               routes=tuple(join), route_password=passwords.get(ROUTE_USER, "")) if join else None
     replicas = args.registry_replicas or min(3, 1 + len(join))
-    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", served_model_name=args.served_model_name, dtype=args.dtype,
-                       kv_cache_mb=args.kv_cache_mb, local_prefill_threshold=args.local_prefill_threshold,
+    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "",
+                       served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+                       local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
+                       ttft_slo_s=args.admission_ttft,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
                        draft=cli_up.draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
                        http_port=args.http_port if args.router else -1,
                        auth=bool(passwords), passwords=passwords, router=args.router, name=args.name,
-                       nats_host=args.nats_host, nats_port=args.nats_port, nats_cluster=cluster,
-                       nats_peers=peer_client_urls(join, args.nats_port), tier_id=args.tier,
+                       nats_host=nats_host, nats_port=nats_port, nats_cluster=cluster,
+                       nats_peers=peer_client_urls(join, nats_port), tier_id=args.tier,
                        registry_replicas=replicas, nats_store_dir=args.store_dir or "", log_dir=args.log_dir)
 
 

@@ -15,6 +15,7 @@ import aiohttp
 
 from shared import nats_auth
 from shared.http_client import stream_events
+from cli.flags import add_cluster_flags, add_nats_url
 from cli.launcher import Cluster, ClusterSpec
 from cli.launcher_scale import LauncherScaleDesk
 
@@ -28,36 +29,17 @@ def add_parser(sub) -> None:
                     help="prefill workers (default: 0 = aggregated decode workers on a host with fewer than 2 "
                          "GPUs, where splitting the cores measured slower; else 1)")
     up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
-    up.add_argument("--model", default=None)
-    up.add_argument("--served-model-name", default="", metavar="NAME",
-                    help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
-    up.add_argument("--dtype", default="auto",
-                    help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    up.add_argument("--kv-cache-mb", type=int, default=1024,
-                    help="each engine worker's KV pool (the in-process engine's default; 256 preempted a burst)")
-    up.add_argument("--local-prefill-threshold", type=int, default=64)
-    up.add_argument("--policy", default="predictive",
-                    help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
-    up.add_argument("--ttft-slo", type=float, default=0.0, metavar="S",
-                    help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
+    add_nats_url(up, "use this NATS server instead of starting one")
     up.add_argument("--cache-tier", type=int, default=1, metavar="N",
                     help="cache tier services (DRAM + SSD KV store; 0 = none); workers use them round robin")
-    up.add_argument("--cache-tier-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "cache-tier"),
-                    help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept across runs)")
-    add_tier_memory_args(up)
-    add_draft_args(up)
-    up.add_argument("--drafter", default="prompt_lookup",
-                    help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
-    up.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address")
-    up.add_argument("--http-port", type=int, default=8000, help="its port (0 = any free port, -1 = no HTTP)")
+    add_cluster_flags(up)
     up.add_argument("--api-keys", default=os.environ.get("DEEPINFER_API_KEYS", ""), metavar="KEY=TENANT,...|@FILE",
                     help="HTTP calls need one of these keys; its tenant salts the cache (default: no keys)")
     up.add_argument("--no-auth", action="store_true",
                     help="start nats-server without users (default: one user per role, fresh passwords)")
     up.add_argument("--passwords-file", default="", metavar="FILE",
-                    help="with --nats: that server's NATS_PASSWORD_<USER>=... lines (python -m shared.nats_auth env); "
-                         "--nats needs this or --no-auth")
+                    help="with --nats-url: that server's NATS_PASSWORD_<USER>=... lines (python -m shared.nats_auth env); "
+                         "--nats-url needs this or --no-auth")
     up.add_argument("--tenants", default="", metavar="A,B",
                     help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
     up.add_argument("--switchable", action="store_true",
@@ -69,15 +51,6 @@ def add_parser(sub) -> None:
     up.add_argument("--planner-max-decode", type=int, default=0, metavar="N", help="the same for decode workers")
     up.add_argument("--demo", action="store_true", help="send one demo chat request through the HTTP API once up")
     up.add_argument("--exit-after-demo", action="store_true")
-
-
-def add_draft_args(parser: argparse.ArgumentParser) -> None:
-    """``--draft local|remote`` as a decode worker spells it, ``--draft-services N`` for ``remote``."""
-    parser.add_argument("--draft", default="", metavar="local|remote",
-                        help="speculative decoding: 'local' (a drafter inside each decode worker) or 'remote' "
-                             "(draft services; a number N is the old spelling of --draft remote --draft-services N)")
-    parser.add_argument("--draft-services", type=int, default=1, metavar="N",
-                        help="with --draft remote: draft services to start here (default 1)")
 
 
 def draft_spec(args: argparse.Namespace, emit: Callable[..., None]) -> str:
@@ -104,19 +77,11 @@ def default_prefill_workers() -> int:
     return 1 if torch.cuda.device_count() >= 2 else 0
 
 
-def add_tier_memory_args(parser) -> None:
-    """The cache tiers' DRAM flags (``up`` and ``node``)."""
-    parser.add_argument("--tier-dram-mb", type=int, default=1024, metavar="MB", help="each cache tier's DRAM budget")
-    parser.add_argument("--no-tier-reserve", action="store_true",
-                        help="do not fault in the tiers' DRAM budget at start (default: reserved, so filling it never "
-                             "page-faults while serving; services/cache_tier/store/dram_reserve.py)")
-
-
 def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) -> ClusterSpec:
     """The ``ClusterSpec`` of ``deepinfer up``'s flags; ``ValueError`` for a bad combination (e.g. --tenants
-    without auth). Auth: the embedded server only (a --nats server's users are not ours to make)."""
-    if args.nats and not args.no_auth and not args.passwords_file:
-        raise ValueError("--nats needs that server's passwords (--passwords-file FILE, the NATS_PASSWORD_<USER>=... "
+    without auth). Auth: the embedded server only (a --nats-url server's users are not ours to make)."""
+    if args.nats_url and not args.no_auth and not args.passwords_file:
+        raise ValueError("--nats-url needs that server's passwords (--passwords-file FILE, the NATS_PASSWORD_<USER>=... "
                          "lines its users were made from) or an explicit --no-auth")
     passwords = nats_auth.read_passwords(Path(args.passwords_file).read_text()) if args.passwords_file else {}
     if passwords and nats_auth.MONITOR not in passwords:
@@ -126,12 +91,13 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
         raise ValueError("--planner-max-* takes the planner's scale requests as the launcher user: the passwords "
                          "file has none (python -m shared.nats_auth env --monitor --launcher)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
-    return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats or "", model=args.model or "",
+    return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats_url or "", model=args.model or "",
                        served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
-                       ttft_slo_s=args.ttft_slo, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
+                       ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
-                       draft=draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
+                       draft=draft_spec(args, emit), drafter=args.drafter, transports=args.transports,
+                       http_host=args.http_host,
                        http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
                        tenants=[t.strip() for t in args.tenants.split(",") if t.strip()],
                        switchable=args.switchable, planner=args.planner,
@@ -195,9 +161,9 @@ def banner(cluster: Cluster) -> str:
         lines += [f"  client    user {user}, password {password}  ({cluster.client_url()})"]
         lines += [f"  tenant    {t}: {cluster.client_url(tenant=t)}  (publishes di.v1.generate.{t})"
                   for t in cluster.spec.tenants]
-        lines += [f"  status    deepinfer status --url {cluster.client_url(user='monitor')}"]
+        lines += [f"  status    deepinfer status --nats-url {cluster.client_url(user='monitor')}"]
     lines += [f"  metrics   {name}: http://127.0.0.1:{port}/metrics" for name, port in cluster.metrics_ports.items()]
-    lines += [f"  try       deepinfer generate --url {cluster.client_url()} --chat \"Hello\""]
+    lines += [f"  try       deepinfer generate --nats-url {cluster.client_url()} --chat \"Hello\""]
     return "\n".join(lines)
 
 

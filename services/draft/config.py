@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig
+from shared.spec.factory import DEFAULT_DRAFTER
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,7 +13,7 @@ class DraftConfig(ServiceConfig):
 
     ID_PREFIX = "draft"
     model: str = ""  # the target model (GGUF file or HF folder; "" = default SmolLM2): its id names the subject
-    drafter: str = "self:8"  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
+    drafter: str = DEFAULT_DRAFTER  # prompt_lookup | self:<layers> | a smaller model's path (same vocabulary)
     window: int = 128  # a model drafter attends the last window..window+stride tokens (KV kept across steps)
     dtype: str = "auto"
     threads: int = 0  # 0 = all CPUs this process may use

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig
+from shared.engine.config import DEFAULT_KV_CACHE_MB
+from shared.spec.factory import DEFAULT_DRAFTER
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +17,7 @@ class WorkerConfig(ServiceConfig):
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0  # 0 = all CPUs this process may use
-    kv_cache_mb: int = 512
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
@@ -28,7 +30,7 @@ class WorkerConfig(ServiceConfig):
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
     draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
-    drafter: str = "prompt_lookup"  # with draft=local: prompt_lookup | self:<layers> | a smaller model's path
+    drafter: str = DEFAULT_DRAFTER  # with draft=local: prompt_lookup | self:<layers> | a smaller model's path
     spec_k: int = 5  # tokens drafted per sequence and step
     spec_max_batch: int = 8  # speculate only while at most this many sequences run
     spec_default: bool = True  # requests that do not say (``speculative`` unset) speculate

@@ -8,6 +8,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
+DEFAULT_KV_CACHE_MB = 1024  # the KV pool of an engine, and of every worker and CLI flag that sizes one
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class EngineConfig:
 
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_MB << 20
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 128
     max_model_len: int | None = None

@@ -15,6 +15,7 @@ from shared.model.llama import LlamaModel
 from shared.spec.types import Drafter
 
 PROMPT_LOOKUP = "prompt_lookup"
+DEFAULT_DRAFTER = PROMPT_LOOKUP  # every drafter flag and config field defaults to it (no weights to load)
 
 
 def make_drafter(spec: str, target: LlamaModel, window: int = 128) -> Drafter:

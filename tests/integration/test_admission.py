@@ -46,6 +46,6 @@ async def test_burst_above_capacity_is_shed_early_and_admitted_requests_finish(n
 def test_up_ttft_slo_reaches_the_router():
     """`deepinfer up --ttft-slo S` → ClusterSpec → the router's command line → RouterConfig.ttft_slo_s."""
     args = build_parser().parse_args(["up", "--ttft-slo", "2.5"])
-    cluster = Cluster(ClusterSpec(ttft_slo_s=args.ttft_slo, nats_url="nats://127.0.0.1:1"))
+    cluster = Cluster(ClusterSpec(ttft_slo_s=args.admission_ttft, nats_url="nats://127.0.0.1:1"))
     config = load_config(RouterConfig, cluster.router_args())
     assert config.ttft_slo_s == 2.5 and config.nats_url == "nats://127.0.0.1:1"

@@ -1,0 +1,96 @@
+"""The CLI's one vocabulary: flags that mean the same thing are spelled once, with one default, here.
+
+- ``--nats-url`` names a NATS server wherever one is named (``up`` / ``generate`` / ``status`` / ``bench``: the
+  server to use; ``node``: where this host's server listens).
+- ``add_cluster_flags``: what ``up`` and ``node`` both start (model, KV budget, tiers, drafts, HTTP), one default
+  each. Only the counts of what runs (``--prefill``, ``--decode``, ``--cache-tier``) differ by command: ``up`` is a
+  whole cluster, ``node`` runs nothing it is not told to.
+- ``--sim-*`` configure simulated workers (``bench --simulate``); ``--admission-ttft`` is the router's admission
+  control, ``--ttft-slo`` / ``--tpot-slo`` are measurement thresholds (SLO attainment).
+- Drafts: ``--draft local|remote`` (where), ``--draft-services N`` (how many, with remote), ``--drafter SPEC``
+  (which: ``shared/spec/factory.py``, default ``DEFAULT_DRAFTER`` everywhere).
+
+Old spellings stay accepted for one release (``deprecated``): they store into the new flag and warn once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from shared.engine.config import DEFAULT_KV_CACHE_MB
+from shared.spec.factory import DEFAULT_DRAFTER
+
+logger = logging.getLogger("deepinfer.cli")
+
+DEFAULT_TRANSPORTS = "cuda_ipc,shm,nixl,tcp,stream"
+DEFAULT_TIER_DIR = str(Path.home() / ".cache" / "deepinfer" / "cache-tier")
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of ``new``: the value goes to the new flag's ``dest``, with a warning on stderr."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        logger.warning("deepinfer: %s is deprecated and goes away in the next release; say %s", option_string,
+                       self.new)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:
+    """Accept ``old`` as a hidden, warning spelling of ``new`` (stored in ``dest``)."""
+    parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)
+
+
+def add_nats_url(parser: argparse.ArgumentParser, help: str, required: bool = False, default=None) -> None:
+    """``--nats-url`` (old spellings ``--nats`` and ``--url``). ``required`` is checked by ``check_required``
+    after parsing (argparse's own check would refuse an old spelling)."""
+    parser.add_argument("--nats-url", default=default, metavar="nats://HOST:PORT",
+                        help=help + (" (required)" if required else ""))
+    parser.set_defaults(nats_url_required=required)
+    for old in ("--url", "--nats"):
+        deprecated(parser, old, "--nats-url", "nats_url")
+
+
+def check_required(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` when a command that needs a NATS server was given none."""
+    if getattr(args, "nats_url_required", False) and not args.nats_url:
+        parser.error(f"{args.command}: --nats-url is required")
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``up`` and ``node`` share (``ClusterSpec`` fields; one default each)."""
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
+    parser.add_argument("--served-model-name", default="", metavar="NAME",
+                        help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB,
+                        help=f"each engine worker's KV pool (default {DEFAULT_KV_CACHE_MB}, the in-process engine's)")
+    parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")
+    parser.add_argument("--local-prefill-threshold", type=int, default=64)
+    parser.add_argument("--policy", default="predictive",
+                        help="placement: round_robin | least_loaded | cache_aware | kv_cost | predictive")
+    parser.add_argument("--admission-ttft", type=float, default=0.0, metavar="S",
+                        help="admission control: reject (overloaded) requests whose predicted TTFT exceeds S seconds")
+    deprecated(parser, "--ttft-slo", "--admission-ttft", "admission_ttft", type=float)
+    parser.add_argument("--cache-tier-dir", default=DEFAULT_TIER_DIR,
+                        help="where the tiers keep their SSD files (default ~/.cache/deepinfer/cache-tier; kept)")
+    parser.add_argument("--tier-dram-mb", type=int, default=1024, metavar="MB", help="each cache tier's DRAM budget")
+    parser.add_argument("--no-tier-reserve", action="store_true",
+                        help="do not fault in the tiers' DRAM budget at start (default: reserved, so filling it never "
+                             "page-faults while serving; services/cache_tier/store/dram_reserve.py)")
+    parser.add_argument("--draft", default="", metavar="local|remote",
+                        help="speculative decoding: 'local' (a drafter inside each decode worker) or 'remote' "
+                             "(draft services; a number N is the old spelling of --draft remote --draft-services N)")
+    parser.add_argument("--draft-services", type=int, default=1, metavar="N",
+                        help="with --draft remote: draft services to start here (default 1)")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                        help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
+    parser.add_argument("--http-host", default="127.0.0.1",
+                        help="the router's OpenAI-compatible API address (0.0.0.0: reachable from other hosts)")
+    parser.add_argument("--http-port", type=int, default=8000, help="its port (0 = any free port, -1 = no HTTP)")

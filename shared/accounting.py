@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from shared.errors import invalid
+from shared.retention import NO_RETENTION
 
 OTHER = "_other"
 DEFAULT_TENANT = "default"
@@ -77,9 +78,9 @@ class UsageLine:
 
 
 def bounded_line(lines: dict, tenant: str, retention: str, make, max_keys: int = MAX_LEDGER_KEYS):
-    """The line of ``(tenant or DEFAULT_TENANT, retention or "none")`` in ``lines``, created with ``make()``; once
+    """The line of ``(tenant or DEFAULT_TENANT, retention or NO_RETENTION)`` in ``lines``, created with ``make()``; once
     ``max_keys - 1`` keys exist, new keys share the ``(OTHER, OTHER)`` line (counted, never dropped)."""
-    key = (tenant or DEFAULT_TENANT, retention or "none")
+    key = (tenant or DEFAULT_TENANT, retention or NO_RETENTION)
     line = lines.get(key)
     if line is None:
         if len(lines) >= max_keys - 1:

@@ -22,15 +22,17 @@ import dataclasses
 import logging
 import secrets
 import signal
+import sys
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats
 from nats.aio.msg import Msg
 
 from shared import protocol, subjects
-from shared.config import nats_servers
+from shared.config import load_config, nats_servers
 from shared.errors import DeepinferError, ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -331,3 +333,15 @@ class Service:
     def _on_nats_closed(self) -> None:
         if self.runtime is not None:
             self.runtime.connection_closed()
+
+
+def service_main(service_cls: Callable[[Any], Service], config_cls: type, argv: list[str] | None = None,
+                 prepare: Callable[[Any], None] | None = None, **overrides: Any) -> None:
+    """Every ``python -m services.<name>``: logging, the config (defaults <- ``DEEPINFER_*`` env <- flags <-
+    ``overrides``), ``prepare(config)`` before any thread or event loop exists, then serve until SIGTERM/SIGINT
+    and exit with ``run_forever``'s code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(config_cls, argv if argv is not None else sys.argv[1:], **overrides)
+    if prepare is not None:
+        prepare(config)
+    sys.exit(asyncio.run(service_cls(config).run_forever()))

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from shared.protocol_control import _check_fingerprint
+from shared.retention import NO_RETENTION
 from shared.sampling import SamplingParams
 from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
                                 _check_window_mask, _check_worker, _require)
@@ -51,7 +52,7 @@ class PrefillRequest(WireModel, _SamplingChecks):
     reply_to: str                   # subject receiving TokenChunks
     cache_salt: str = ""
     deadline_s: float               # seconds remaining (may be <= 0: the receiver replies ``timeout``)
-    retention: str = "none"         # cache retention class of the request (tier write-back and pulls)
+    retention: str = NO_RETENTION         # cache retention class of the request (tier write-back and pulls)
     model_fingerprint: str = ""     # the build the router placed it for (shared/model/fingerprint.py)
     router_id: str = ""             # the router relaying the stream ("" = none watched; services/worker/router_watch.py)
     router_instance: str = ""       # that router process's LoadReport.instance: another one = the relay is gone
@@ -88,7 +89,7 @@ class KVHandoff(WireModel, _SamplingChecks):
     num_cached_tokens: int = 0
     ttft_ms: float = 0.0
     prefill_worker: str = ""
-    retention: str = "none"
+    retention: str = NO_RETENTION
     tier_cached_tokens: int = 0     # of num_cached_tokens, pulled from the cache tier
     model_fingerprint: str = ""     # the prefill worker's build ("" from older senders: refused)
     deadline_s: float = 3600.0      # seconds left of the request's deadline (the PrefillRequest's, less prefill)
@@ -164,7 +165,7 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     reply_to: str
     cache_salt: str = ""
     deadline_s: float = 60.0        # seconds remaining (may be <= 0: the worker ends it with ``timeout``)
-    retention: str = "none"
+    retention: str = NO_RETENTION
     model_fingerprint: str = ""
     router_id: str = ""             # as in PrefillRequest
     router_instance: str = ""

@@ -25,7 +25,11 @@ from types import MappingProxyType
 from shared.errors import invalid
 
 DAY_S = 86_400.0
-DEFAULT_TTL_S: Mapping[str, float] = MappingProxyType({"chat": 7 * DAY_S, "agent": 3 * DAY_S, "none": 0.0})
+NO_RETENTION = "none"            # the class of a block no request class asked to keep (DRAM-only)
+DEFAULT_TTL_S: Mapping[str, float] = MappingProxyType({"chat": 7 * DAY_S, "agent": 3 * DAY_S, NO_RETENTION: 0.0})
+# The deployment's classes as router and cache tier read them (``retention`` in both configs, one env var
+# DEEPINFER_RETENTION): both parse the same spec, so a class the router accepts is one the tier stores.
+DEFAULT_SPEC = "chat=7d,agent=3d,none=0"
 MAX_CLASS_NAME = 16              # fixed-width field in SSD record headers
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY_S}
 _NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_CLASS_NAME}}}")

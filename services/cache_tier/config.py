@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig
+from shared.retention import DEFAULT_SPEC
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class CacheTierConfig(ServiceConfig):
     # dirty chat/agent DRAM blocks are written behind to SSD within this: a block acknowledged more than
     # write_behind_s ago survives a SIGKILL (fsync adds no delay; it decides power-loss safety) while the SSD keeps up
     write_behind_s: float = 1.0
-    retention: str = "chat=7d,agent=3d,none=0"  # class=ttl list; the deployment's retention classes
+    retention: str = DEFAULT_SPEC  # class=ttl list; the deployment's retention classes (the router reads the same)
     transports: str = "shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)

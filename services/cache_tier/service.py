@@ -24,14 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 
 from shared.host_identity import host_id
 from shared import protocol, subjects
-from shared.bus import Service, ServiceRuntime, connect
+from shared.bus import Service, ServiceRuntime, connect, service_main
 from services.cache_tier.config import CacheTierConfig
-from shared.config import load_config
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv_events import KVEventPublisher
 from shared.kv.registry import available_transports, make_transport
@@ -237,10 +235,12 @@ class CacheTierService(Service):
         logger.info("%s stopped", self.config.worker_id)
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(CacheTierConfig, argv if argv is not None else sys.argv[1:])
-    if config.reserve_dram and config.dram_mb:   # before any thread or event loop: see dram_reserve
+def reserve_dram(config: CacheTierConfig) -> None:
+    """Fault the DRAM budget in before any thread or event loop exists (see ``store/dram_reserve.py``)."""
+    if config.reserve_dram and config.dram_mb:
         done = reserve_heap(config.dram_mb << 20)
         logger.info("%s: DRAM budget reserved: %d MiB in %.1f s", config.worker_id, done.reserved >> 20, done.seconds)
-    sys.exit(asyncio.run(CacheTierService(config).run_forever()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    service_main(CacheTierService, CacheTierConfig, argv, prepare=reserve_dram)

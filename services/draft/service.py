@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 
 import torch
 
 from shared.host_identity import host_id
 from shared import protocol, subjects
-from shared.bus import Service, ServiceRuntime, connect
+from shared.bus import Service, ServiceRuntime, connect, service_main
 from services.draft.config import DraftConfig
-from shared.config import load_config
 from shared.engine.config import EngineConfig
 from services.draft.metrics import DraftMetrics
 from shared.metrics.server import MetricsServer
@@ -113,6 +111,4 @@ class DraftService(Service):
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(DraftConfig, argv if argv is not None else sys.argv[1:])
-    sys.exit(asyncio.run(DraftService(config).run_forever()))
+    service_main(DraftService, DraftConfig, argv)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.router.policy.policies import POLICIES
 from services.router.policy.profiles import PROFILES
 from shared.config import ServiceConfig
-from shared.retention import RetentionPolicy
+from shared.retention import DEFAULT_SPEC, NO_RETENTION, RetentionPolicy
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -44,9 +44,9 @@ class RouterConfig(ServiceConfig):
     profile: str = "smollm2-cpu"  # step-time model the policies predict with (services/router/policy/profiles.py)
     block_size: int = 16  # the workers' KV block size (tokens), for the profile's per-block transfer time
     drain_grace_s: float = 20.0  # on SIGTERM: how long relayed streams may finish before being cancelled
-    retention: str = "chat=7d,agent=3d,none=0"  # the deployment's retention classes (as the cache tier's)
+    retention: str = DEFAULT_SPEC  # the deployment's retention classes (the cache tier reads the same)
     chat_retention: str = "chat"  # class of a chat request (``messages``) that names none
-    prompt_retention: str = "none"  # class of a raw prompt request that names none
+    prompt_retention: str = NO_RETENTION  # class of a raw prompt request that names none
     price_cached: float = 0.02  # per million cached prompt tokens (accounting, ``deepinfer status``)
     price_uncached: float = 1.0  # per million uncached prompt tokens
     http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API (and /metrics) listens here

@@ -13,13 +13,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 
 from shared.host_identity import host_id
 from shared import protocol, subjects
-from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect
+from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect, service_main
 from services.worker.config import WorkerConfig
-from shared.config import load_config
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -261,8 +259,5 @@ class Worker(TierMixin, Service):
 
 
 def main_for(service_cls: type[Worker], role: str, argv: list[str] | None = None) -> None:
-    """``python -m services.<role>``: configure logging, build the config (env then flags), serve until
-    SIGTERM/SIGINT."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(WorkerConfig, argv if argv is not None else sys.argv[1:], role=role)
-    sys.exit(asyncio.run(service_cls(config).run_forever()))
+    """``python -m services.<role>``: one worker of ``role`` (``shared/bus.service_main``)."""
+    service_main(service_cls, WorkerConfig, argv, role=role)

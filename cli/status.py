@@ -1,6 +1,6 @@
 """``deepinfer status``: what a running cluster reports about itself, gathered over NATS.
 
-``collect(nc, listen_s)`` listens to heartbeats (``di.v1.load.*.*``) for ``listen_s`` to find every service, then
+``collect(nc, listen_s)`` listens to heartbeats (``di.v1.*.*.load``) for ``listen_s`` to find every service, then
 asks each one for its ``StatsReply`` on ``subjects.stats(service)`` (bounded wait each; a service that does not
 answer is listed with its heartbeat only). ``format_status`` renders workers (role, load, KV usage, prefix-cache
 hit rate), cache tiers (blocks and bytes per tier, hits, evictions, expiries), the routers' live migrations and P:D

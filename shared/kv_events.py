@@ -1,4 +1,4 @@
-"""Publishes a worker's prefix-cache changes as ``KVEvent``s on ``di.v1.kv.events`` and answers snapshot
+"""Publishes a worker's prefix-cache changes as ``KVEvent``s on ``di.v1.kv.<worker>.events`` and answers snapshot
 requests, so the router's KV index knows which blocks live where.
 
 The engine thread calls ``sink`` (via the block manager); a bounded deque carries events to the event

@@ -1,30 +1,34 @@
 """Every NATS subject of deepinfer, versioned under ``di.v1.``. No literal subject lives anywhere else.
 
-Subjects (bodies are ``shared.protocol`` messages, msgpack-encoded):
+Grammar: ``di.v1.<component>.<id>.<op>[.<arg>]``: the component (a service kind, or ``kv`` / ``ctl`` / ``work``),
+the id of the one it addresses (a worker, tier, model or owner), the operation, and for a few operations one
+more token. The client API (``generate``, ``cancel``, ``held``, each optionally ``.<tenant>``) is the one
+exception, unchanged since v1 was published. Bodies are ``shared.protocol`` messages, msgpack-encoded:
 
-- ``di.v1.generate``                 client API: GenerateRequest -> streamed TokenChunk replies (request/reply)
-- ``di.v1.cancel``                   CancelRequest, broadcast: whoever owns the request stops it
-- ``di.v1.generate.<tenant>``        the client API of an authenticated tenant (NATS user ``client-<tenant>``
-                                     may publish only here): the router derives the cache salt from the tenant
-- ``di.v1.cancel.<tenant>``          a tenant's cancels (the router stops only that tenant's requests)
-- ``di.v1.kv.events.<worker>``       KVEvent: blocks stored/removed/cleared by a worker or the cache tier; the
-                                     router drops an event whose body names another worker than its subject
-                                     (an instance user may publish only its own)
-- ``di.v1.load.<role>.<worker>``     LoadReport heartbeats; ``di.v1.load.*.*`` (LOAD_ALL) subscribes to all. The
-                                     role is in the subject so that NATS permissions bind it to the credential
-                                     (a role's user may publish only ``di.v1.load.<its role>.*``); the router
-                                     drops a report whose body disagrees with its subject
-- ``di.v1.prefill.<worker>``         PrefillRequest to one prefill worker
-- ``di.v1.decode.<worker>``          KVHandoff / DecodeLocalRequest to one decode worker
-- ``di.v1.kvx.<owner>.<transfer>``   ``stream`` KV transport: pulls of one transfer's payload chunks, served by
-                                     the service that staged it (``owner``: an instance user may serve only
-                                     its own transfers, so no peer can answer a pull with other bytes)
-- ``di.v1.ctl.<service>.<op>``       control plane (status, drain, ...) of one service
-- ``di.v1.draft.<model>``            draft-model proposals (queue group per model)
-- ``di.v1.cache.<op>.<tier>``        one cache tier's operations: ``get``, ``release``, ``stats``
-- ``di.v1.cache.put.<tier>.<writer>`` a put names its writer in the subject, so that NATS permissions bind it
-                                     to the credential (an instance user may publish only its own writer
-                                     token); the tier records the writer of every block it stores
+- ``di.v1.generate``                   client API: GenerateRequest -> streamed TokenChunk replies (request/reply)
+- ``di.v1.cancel``                     CancelRequest, broadcast: whoever owns the request stops it
+- ``di.v1.generate.<tenant>``          the client API of an authenticated tenant (NATS user ``client-<tenant>``
+                                       may publish only here): the router derives the cache salt from the tenant
+- ``di.v1.cancel.<tenant>``            a tenant's cancels (the router stops only that tenant's requests)
+- ``di.v1.prefill.<worker>.work``      PrefillRequest to one prefill worker
+- ``di.v1.decode.<worker>.work``       KVHandoff / DecodeLocalRequest to one decode worker
+- ``di.v1.<role>.<worker>.load``       LoadReport heartbeats; ``di.v1.*.*.load`` (LOAD_ALL) subscribes to all. The
+                                       role is in the subject so that NATS permissions bind it to the credential
+                                       (a role's user may publish only ``di.v1.<its role>.*.load``); the router
+                                       drops a report whose body disagrees with its subject
+- ``di.v1.kv.<worker>.events``         KVEvent: blocks stored/removed/cleared by a worker or the cache tier; the
+                                       router drops an event whose body names another worker than its subject
+                                       (an instance user may publish only its own)
+- ``di.v1.kv.<owner>.pull.<transfer>`` ``stream`` KV transport: pulls of one transfer's payload chunks, served by
+                                       the service that staged it (``owner``: an instance user may serve only
+                                       its own transfers, so no peer can answer a pull with other bytes)
+- ``di.v1.work.all.cancel``            router -> every worker: stop the work of a request
+- ``di.v1.ctl.<service>.<op>``         control plane (stats, probe, migrate, ...) of one service
+- ``di.v1.draft.<model>.propose``      draft-model proposals (queue group per model)
+- ``di.v1.cache.<tier>.<op>``          one cache tier's operations: ``get``, ``release``, ``stats``
+- ``di.v1.cache.<tier>.put.<writer>``  a put names its writer in the subject, so that NATS permissions bind it
+                                       to the credential (an instance user may publish only its own writer
+                                       token); the tier records the writer of every block it stores
 
 Wildcard patterns (``*_ALL``, ``ctl_all``, ``cache_all``), inboxes (``inbox_prefix(user)``) and the registry's
 JetStream subjects (``REGISTRY_KV``, ``REGISTRY_API``) exist for the per-role permissions in ``shared/nats_auth.py``.
@@ -46,12 +50,12 @@ PREFIX = "di.v1"
 GENERATE = f"{PREFIX}.generate"
 CANCEL = f"{PREFIX}.cancel"  # clients -> router (the router checks who may cancel what)
 HELD = f"{PREFIX}.held"  # clients -> routers: "is my request still relayed?" (the owning router answers)
-WORK_CANCEL = f"{PREFIX}.work_cancel"  # router -> workers: only the router role may publish it
-KV_EVENTS = f"{PREFIX}.kv.events.*"  # every worker's KV events (``kv_events``)
+WORK_CANCEL = f"{PREFIX}.work.all.cancel"  # router -> workers: only the router role may publish it
+KV_EVENTS = f"{PREFIX}.kv.*.events"  # every worker's KV events (``kv_events``)
 GENERATE_TENANTS = f"{PREFIX}.generate.*"
 CANCEL_TENANTS = f"{PREFIX}.cancel.*"
 HELD_TENANTS = f"{PREFIX}.held.*"
-LOAD_ALL = f"{PREFIX}.load.*.*"
+LOAD_ALL = f"{PREFIX}.*.*.load"
 REGISTRY_BUCKET = "di_v1_workers"
 
 _FORBIDDEN = frozenset(".*>")
@@ -114,69 +118,68 @@ def tenant_of(subject: str) -> str | None:
 
 def prefill(worker_id: str) -> str:
     """Subject of one prefill worker's PrefillRequests."""
-    return f"{PREFIX}.prefill.{validate_token(worker_id, 'worker_id')}"
+    return f"{PREFIX}.prefill.{validate_token(worker_id, 'worker_id')}.work"
 
 
 def decode(worker_id: str) -> str:
     """Subject of one decode worker's KVHandoff / DecodeLocalRequest messages."""
-    return f"{PREFIX}.decode.{validate_token(worker_id, 'worker_id')}"
+    return f"{PREFIX}.decode.{validate_token(worker_id, 'worker_id')}.work"
 
 
 def load(worker_id: str, role: str) -> str:
     """Subject a service of ``role`` (``protocol_control.ROLES``) publishes its LoadReport heartbeats on
     (LOAD_ALL matches all of them)."""
-    return f"{PREFIX}.load.{validate_token(role, 'role')}.{validate_token(worker_id, 'worker_id')}"
+    return f"{PREFIX}.{validate_token(role, 'role')}.{validate_token(worker_id, 'worker_id')}.load"
 
 
 def kv_events(worker_id: str) -> str:
     """Subject of one worker's (or cache tier's) KVEvents."""
-    return f"{PREFIX}.kv.events.{validate_token(worker_id, 'worker_id')}"
+    return f"{PREFIX}.kv.{validate_token(worker_id, 'worker_id')}.events"
 
 
 def kv_events_origin(subject: str) -> str:
     """The worker named by a ``kv_events`` subject."""
-    return _named(subject, f"{PREFIX}.kv.events", 1, "KV events")[0]
+    return _named(subject, f"{PREFIX}.kv.*.events", "KV events")[0]
 
 
-def _named(subject: str, prefix: str, count: int, what: str) -> list[str]:
-    """The ``count`` tokens that follow ``prefix`` in ``subject``; ``ValueError`` if it is not such a subject."""
-    head, parts = prefix.split("."), subject.split(".") if isinstance(subject, str) else []
-    if len(parts) != len(head) + count or parts[:len(head)] != head:
+def _named(subject: str, pattern: str, what: str) -> list[str]:
+    """The tokens of ``subject`` where ``pattern`` has ``*`` (each one valid); ``ValueError`` if it does not match."""
+    want, parts = pattern.split("."), subject.split(".") if isinstance(subject, str) else []
+    if len(parts) != len(want) or any(w != "*" and w != p for w, p in zip(want, parts)):
         raise ValueError(f"not a {what} subject: {subject!r:.200}")
-    return parts[len(head):]
+    return [validate_token(p, what) for w, p in zip(want, parts) if w == "*"]
 
 
 def load_role(role: str) -> str:
     """Every heartbeat subject of one role: what that role's NATS user may publish."""
-    return f"{PREFIX}.load.{validate_token(role, 'role')}.*"
+    return f"{PREFIX}.{validate_token(role, 'role')}.*.load"
 
 
 def load_origin(subject: str) -> tuple[str, str]:
     """``(role, worker id)`` named by a ``load`` subject."""
-    role, worker = _named(subject, f"{PREFIX}.load", 2, "heartbeat")
+    role, worker = _named(subject, LOAD_ALL, "heartbeat")
     return role, worker
 
 
 def kv_pull(owner: str, transfer_id: str) -> str:
     """Subject the ``stream`` transport of service ``owner`` serves one transfer's chunks on."""
-    return f"{PREFIX}.kvx.{validate_token(owner, 'owner')}.{validate_token(transfer_id, 'transfer_id')}"
+    return f"{PREFIX}.kv.{validate_token(owner, 'owner')}.pull.{validate_token(transfer_id, 'transfer_id')}"
 
 
 def kv_pulls_of(owner: str) -> str:
     """Every transfer ``owner`` serves: what an instance's NATS user may subscribe to."""
-    return f"{PREFIX}.kvx.{validate_token(owner, 'owner')}.*"
+    return f"{PREFIX}.kv.{validate_token(owner, 'owner')}.pull.*"
 
 
 def is_kv_pull(subject: str) -> bool:
     """True when ``subject`` is exactly one ``kv_pull`` subject (what a ``stream`` KV handle may name)."""
-    prefix = f"{PREFIX}.kvx."
-    if not isinstance(subject, str) or not subject.startswith(prefix) or len(subject) > 2 * MAX_TOKEN_LEN + 16:
+    if not isinstance(subject, str) or len(subject) > 2 * MAX_TOKEN_LEN + 24:
         return False
-    parts = subject[len(prefix):].split(".")
     try:
-        return len(parts) == 2 and all(validate_token(p) for p in parts)
+        _named(subject, KV_PULL_ALL, "KV pull")
     except ValueError:
         return False
+    return True
 
 
 def ctl(service: str, op: str) -> str:
@@ -186,7 +189,7 @@ def ctl(service: str, op: str) -> str:
 
 def draft(model: str) -> str:
     """Draft-model subject (served by a queue group). Pass ``safe_token(model_id)`` for ids with dots."""
-    return f"{PREFIX}.draft.{validate_token(model, 'model')}"
+    return f"{PREFIX}.draft.{validate_token(model, 'model')}.propose"
 
 
 CACHE_OPS = ("put", "get", "release", "stats")
@@ -197,27 +200,27 @@ def cache(op: str, tier: str) -> str:
     of the cache tier ``tier`` (its service id)."""
     if op not in CACHE_OPS or op == "put":
         raise ValueError(f"cache op must be one of {CACHE_OPS[1:]} (puts: cache_put), got {op!r}")
-    return f"{PREFIX}.cache.{op}.{validate_token(tier, 'tier')}"
+    return f"{PREFIX}.cache.{validate_token(tier, 'tier')}.{op}"
 
 
 def cache_put(tier: str, writer: str) -> str:
     """Subject of a put by ``writer`` (the putting service's id) to the cache tier ``tier``."""
-    return f"{PREFIX}.cache.put.{validate_token(tier, 'tier')}.{validate_token(writer, 'writer')}"
+    return f"{PREFIX}.cache.{validate_token(tier, 'tier')}.put.{validate_token(writer, 'writer')}"
 
 
 def cache_puts(tier: str) -> str:
     """Every put to the cache tier ``tier`` (what it serves)."""
-    return f"{PREFIX}.cache.put.{validate_token(tier, 'tier')}.*"
+    return f"{PREFIX}.cache.{validate_token(tier, 'tier')}.put.*"
 
 
 def cache_puts_by(writer: str) -> str:
     """Every put by ``writer``, to any tier: what an instance's NATS user may publish."""
-    return f"{PREFIX}.cache.put.*.{validate_token(writer, 'writer')}"
+    return f"{PREFIX}.cache.*.put.{validate_token(writer, 'writer')}"
 
 
 def cache_put_writer(subject: str) -> str:
     """The writer named by a ``cache_put`` subject."""
-    return _named(subject, f"{PREFIX}.cache.put", 2, "cache put")[1]
+    return _named(subject, cache_all("put"), "cache put")[1]
 
 
 LAUNCHER = "launcher"  # ``deepinfer up``'s own process, as a control-plane service
@@ -234,10 +237,10 @@ def stats(service: str) -> str:
 
 
 # ---- wildcard patterns and NATS-internal subjects (for the per-role permissions of ``shared/nats_auth.py``) ----
-PREFILL_ALL = f"{PREFIX}.prefill.*"
-DECODE_ALL = f"{PREFIX}.decode.*"
-KV_PULL_ALL = f"{PREFIX}.kvx.*.*"
-DRAFT_ALL = f"{PREFIX}.draft.*"
+PREFILL_ALL = f"{PREFIX}.prefill.*.work"
+DECODE_ALL = f"{PREFIX}.decode.*.work"
+KV_PULL_ALL = f"{PREFIX}.kv.*.pull.*"
+DRAFT_ALL = f"{PREFIX}.draft.*.propose"
 INBOX_ROOT = "_INBOX"  # nats-py's default inbox root; every deepinfer connection adds its user under it
 REGISTRY_KV = f"$KV.{REGISTRY_BUCKET}.>"  # puts and deletes of registry entries (JetStream KV)
 REGISTRY_API = (f"$JS.API.STREAM.INFO.KV_{REGISTRY_BUCKET}",    # look the bucket up
@@ -254,7 +257,7 @@ def cache_all(op: str) -> str:
     writer)."""
     if op not in CACHE_OPS:
         raise ValueError(f"cache op must be one of {CACHE_OPS}, got {op!r}")
-    return f"{PREFIX}.cache.put.*.*" if op == "put" else f"{PREFIX}.cache.{op}.*"
+    return f"{PREFIX}.cache.*.put.*" if op == "put" else f"{PREFIX}.cache.*.{op}"
 
 
 def inbox_prefix(user: str) -> str:

@@ -4,7 +4,7 @@
 Validates and tokenizes each request, admits it (at most ``max_inflight`` concurrent streams; the policy
 rejects with ``overloaded`` when the predicted TTFT misses ``ttft_slo_s``), and serves it through ``Relay``
 (placement, dispatch, relay, failover: ``services/router/relay.py``). Keeps the worker table (heartbeats on
-``di.v1.load.*.*``) and the KV index (``di.v1.kv.events.*``, resynced from a worker's snapshot after a gap) and
+``di.v1.*.*.load``) and the KV index (``di.v1.kv.*.events``, resynced from a worker's snapshot after a gap) and
 prunes both: a worker silent past the table's ``forget_after_s`` is dropped, and index entries of workers
 that are dead or never heartbeated are dropped after a sweep interval. Every reply on the client's subject is a
 ``TokenChunk``; the last one has ``final=True`` and either usage or an error. Undecodable requests get an

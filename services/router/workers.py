@@ -1,4 +1,4 @@
-"""The router's live view of workers, fed by heartbeats on ``di.v1.load.*.*``.
+"""The router's live view of workers, fed by heartbeats on ``di.v1.*.*.load``.
 
 A worker is alive while its last heartbeat is younger than ``dead_after_s``; new work is placed only on
 alive workers that are not draining (a draining worker is still alive: the streams it finishes are watched

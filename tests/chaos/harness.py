@@ -243,7 +243,7 @@ async def run_pool(concurrency: int, job: Callable[[int], Awaitable[None]],
 
 
 class LoadWatcher:
-    """The latest heartbeat (``LoadReport``) of every service, from ``di.v1.load.*``."""
+    """The latest heartbeat (``LoadReport``) of every service, from ``di.v1.*.*.load``."""
 
     def __init__(self) -> None:
         self.latest: dict[str, protocol.LoadReport] = {}

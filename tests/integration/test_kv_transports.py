@@ -178,7 +178,7 @@ async def test_fetch_released_handle_fails_fast(pair):
 
 def bogus(handle: dict) -> dict:
     h = dict(handle)
-    for key, value in {"segment": "psm_deepinfer_nope", "subject": "di.v1.kvx.nobody.here",
+    for key, value in {"segment": "psm_deepinfer_nope", "subject": "di.v1.kv.nobody.pull.here",
                        "agent": "nobody", "token": 12345}.items():
         if key in h:
             h[key] = value

@@ -14,7 +14,7 @@ CACHE_SAMPLES = {
     "CachePut": p.CachePut(**BLOCKS, transport="shm", handle={"transport": "shm", "segment": "x"}, tenant="a"),
     "CacheGet": p.CacheGet(**BLOCKS, transports=["shm", "stream"], host="h"),
     "CacheGetReply": p.CacheGetReply(num_blocks=3, dram_blocks=1, ssd_blocks=2, transport="stream",
-                                     handle={"transport": "stream", "subject": "di.v1.kvx.cache-0.t-1"}),
+                                     handle={"transport": "stream", "subject": "di.v1.kv.cache-0.pull.t-1"}),
     "CacheRelease": p.CacheRelease(transfer_id="t-1"),
     "StatsRequest": p.StatsRequest(),
     "StatsReply": p.StatsReply(worker_id="cache-0", role="cache_tier", stats={"hits": 3, "by": {"a": 1.5}}),

@@ -1,4 +1,4 @@
-"""The router's KV index: which worker holds which KV blocks, in which tier, fed by ``di.v1.kv.events``.
+"""The router's KV index: which worker holds which KV blocks, in which tier, fed by ``di.v1.kv.*.events``.
 
 Tiers are the closed set ``protocol.KV_TIERS``: ``"device"`` (a worker's GPU pool, what ``overlap`` reports), and
 the slower ``"host"``, ``"disk"`` and ``"cache_tier"`` (what ``tier_overlap`` reports, i.e.

@@ -1,5 +1,5 @@
 """What ``deepinfer up`` (one host) and ``deepinfer node`` (one host's part of a multi-host cluster) start:
-``ClusterSpec``, read by ``shared/launcher.Cluster``.
+``ClusterSpec``, read by ``cli/launcher.Cluster``.
 
 Invariants: auth on an external nats-server needs that server's passwords (its users are not generated here);
 tenants need auth; a spec with cache tiers and no directory gets a fresh temporary one (``temp_tier_dir``), which

@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
     up.add_argument("--no-auth", action="store_true",
                     help="start nats-server without users (default: one user per role, fresh passwords)")
     up.add_argument("--passwords-file", default="", metavar="FILE",
-                    help="with --nats-url: that server's NATS_PASSWORD_<USER>=... lines (python -m shared.nats_auth env); "
-                         "--nats-url needs this or --no-auth")
+                    help="with --nats-url: that server's NATS_PASSWORD_<USER>=... lines "
+                         "(python -m shared.nats_auth env); --nats-url needs this or --no-auth")
     up.add_argument("--tenants", default="", metavar="A,B",
                     help="tenant client users client-<tenant> (each publishes only di.v1.generate.<tenant>)")
     up.add_argument("--switchable", action="store_true",
@@ -81,8 +81,8 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
     """The ``ClusterSpec`` of ``deepinfer up``'s flags; ``ValueError`` for a bad combination (e.g. --tenants
     without auth). Auth: the embedded server only (a --nats-url server's users are not ours to make)."""
     if args.nats_url and not args.no_auth and not args.passwords_file:
-        raise ValueError("--nats-url needs that server's passwords (--passwords-file FILE, the NATS_PASSWORD_<USER>=... "
-                         "lines its users were made from) or an explicit --no-auth")
+        raise ValueError("--nats-url needs that server's passwords (--passwords-file FILE, the NATS_PASSWORD_<USER>=..."
+                         " lines its users were made from) or an explicit --no-auth")
     passwords = nats_auth.read_passwords(Path(args.passwords_file).read_text()) if args.passwords_file else {}
     if passwords and nats_auth.MONITOR not in passwords:
         raise ValueError("the passwords file has no monitor password (python -m shared.nats_auth env --monitor)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_tokens, _require
+from shared.wire_fields import check_id, check_one_of, check_range, check_tokens, require
 from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES, ROLES, KVEvent, KVSnapshot,
                                      LoadReport, MigrateRequest, RequestProbe, RoleSwitch, ScaleRequest,
                                      WorkerInfo)
@@ -94,27 +94,27 @@ class GenerateRequest(WireModel):
     resume_seq: int = 0
 
     def _check(self) -> None:
-        _check_id("request_id", self.request_id, allow_empty=True)
-        _check_tokens("resume_tokens", self.resume_tokens, allow_empty=True)
-        _require(self.resume_seq >= 0 and (self.resume_seq > 0 or not self.resume_tokens),
+        check_id("request_id", self.request_id, allow_empty=True)
+        check_tokens("resume_tokens", self.resume_tokens, allow_empty=True)
+        require(self.resume_seq >= 0 and (self.resume_seq > 0 or not self.resume_tokens),
                  "field 'resume_seq': must be >= 0, and > 0 with resume_tokens")
-        _require(len(self.resume_tokens) < self.max_tokens or not self.resume_tokens,
+        require(len(self.resume_tokens) < self.max_tokens or not self.resume_tokens,
                  "field 'resume_tokens': must be fewer than max_tokens")
-        _check_id("retention", self.retention, allow_empty=True)
-        _require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
-        _check_id("cache_salt", self.cache_salt, allow_empty=True)
+        check_id("retention", self.retention, allow_empty=True)
+        require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
+        check_id("cache_salt", self.cache_salt, allow_empty=True)
         forms = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
-        _require(forms == 1, "exactly one of 'prompt', 'messages', 'prompt_token_ids' must be given")
+        require(forms == 1, "exactly one of 'prompt', 'messages', 'prompt_token_ids' must be given")
         if self.messages is not None:
-            _require(bool(self.messages), "field 'messages': must not be empty")
+            require(bool(self.messages), "field 'messages': must not be empty")
             for i, m in enumerate(self.messages):
-                _require(isinstance(m.get("role"), str) and bool(m["role"]) and isinstance(m.get("content"), str),
+                require(isinstance(m.get("role"), str) and bool(m["role"]) and isinstance(m.get("content"), str),
                          f"field 'messages[{i}]': needs a non-empty str 'role' and a str 'content'")
         if self.prompt_token_ids is not None:
-            _check_tokens("prompt_token_ids", self.prompt_token_ids)
-        _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_S,
+            check_tokens("prompt_token_ids", self.prompt_token_ids)
+        require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_S,
                  f"field 'timeout_s': must be in (0, {MAX_REQUEST_S:.0f}] or absent, got {self.timeout_s}")
-        _check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        check_one_of("prefill_mode", self.prefill_mode, PREFILL_MODES)
         self.sampling()
 
     def sampling(self) -> SamplingParams:
@@ -139,12 +139,12 @@ class TokenChunk(WireModel):
     error: dict[str, Any] | None = None
 
     def _check(self) -> None:
-        _check_range("seq", self.seq, 0)
-        _check_tokens("token_ids", self.token_ids, allow_empty=True)
-        _require(self.final or (self.finish_reason is None and self.usage is None and self.error is None),
+        check_range("seq", self.seq, 0)
+        check_tokens("token_ids", self.token_ids, allow_empty=True)
+        require(self.final or (self.finish_reason is None and self.usage is None and self.error is None),
                  "field 'final': finish_reason, usage and error are only allowed on the final chunk")
         if self.error is not None:
-            _require(isinstance(self.error.get("code"), str) and isinstance(self.error.get("message"), str),
+            require(isinstance(self.error.get("code"), str) and isinstance(self.error.get("message"), str),
                      "field 'error': needs str 'code' and str 'message'")
 
     @classmethod
@@ -164,7 +164,7 @@ class CancelRequest(WireModel):
     request_id: str
 
     def _check(self) -> None:
-        _check_id("request_id", self.request_id)
+        check_id("request_id", self.request_id)
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -180,7 +180,7 @@ class ErrorReply(WireModel):
     message: str
 
     def _check(self) -> None:
-        _require(bool(self.code), "field 'code': must not be empty")
+        require(bool(self.code), "field 'code': must not be empty")
 
     @classmethod
     def from_exception(cls, err: BaseException) -> ErrorReply:

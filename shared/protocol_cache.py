@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from shared.kv.block_hash import DIGEST_BYTES, block_key, unpack_digests
-from shared.protocol_control import _check_fingerprint
-from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_window_mask, _check_worker, _require
+from shared.wire_fields import (check_fingerprint, check_id, check_one_of, check_range, check_window_mask,
+                                check_worker, require)
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_CACHE_CONTROL_BYTES = 64 * 1024
@@ -39,33 +39,33 @@ class _BlockList:
     __slots__ = ()
 
     def _check_blocks(self) -> None:
-        _check_id("transfer_id", self.transfer_id)
-        _check_worker("transfer_id", self.transfer_id)
-        _check_worker("worker_id", self.worker_id)
-        _check_id("tenant", self.tenant, allow_empty=True)
-        _check_id("retention", self.retention)
-        _require(bool(self.block_hashes), "field 'block_hashes': must not be empty")
-        _require(min(self.block_hashes) >= 0 and max(self.block_hashes) <= MAX_HASH,
+        check_id("transfer_id", self.transfer_id)
+        check_worker("transfer_id", self.transfer_id)
+        check_worker("worker_id", self.worker_id)
+        check_id("tenant", self.tenant, allow_empty=True)
+        check_id("retention", self.retention)
+        require(bool(self.block_hashes), "field 'block_hashes': must not be empty")
+        require(min(self.block_hashes) >= 0 and max(self.block_hashes) <= MAX_HASH,
                  "field 'block_hashes': hashes must be unsigned 64-bit ints")
-        _check_range("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
-        _require(len(self.token_ids) == self.block_size * len(self.block_hashes),
+        check_range("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        require(len(self.token_ids) == self.block_size * len(self.block_hashes),
                  f"field 'token_ids': {len(self.token_ids)} tokens for {len(self.block_hashes)} blocks of "
                  f"{self.block_size}")
-        _require(not self.token_ids or (min(self.token_ids) >= 0 and max(self.token_ids) < 1 << 32),
+        require(not self.token_ids or (min(self.token_ids) >= 0 and max(self.token_ids) < 1 << 32),
                  "field 'token_ids': token ids must be uint32")
-        _check_one_of("dtype", self.dtype, KV_DTYPES)
-        _require(0 < len(self.block_shape) <= MAX_SHAPE_DIMS and min(self.block_shape) > 0,
+        check_one_of("dtype", self.dtype, KV_DTYPES)
+        require(0 < len(self.block_shape) <= MAX_SHAPE_DIMS and min(self.block_shape) > 0,
                  f"field 'block_shape': must be 1..{MAX_SHAPE_DIMS} positive ints")
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
-        _check_range("full_layers", self.full_layers, 0, self.block_shape[0])
-        _require(bool(self.block_digests) == bool(self.model_fingerprint),
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_range("full_layers", self.full_layers, 0, self.block_shape[0])
+        require(bool(self.block_digests) == bool(self.model_fingerprint),
                  "fields 'block_digests' and 'model_fingerprint' are given together or not at all")
         if self.block_digests:
-            _require(len(self.block_digests) == DIGEST_BYTES * len(self.block_hashes),
+            require(len(self.block_digests) == DIGEST_BYTES * len(self.block_hashes),
                      f"field 'block_digests': {len(self.block_digests)} bytes for {len(self.block_hashes)} blocks "
                      f"of {DIGEST_BYTES}")
             keys = [block_key(d) for d in unpack_digests(self.block_digests, len(self.block_hashes))]
-            _require(keys == self.block_hashes, "field 'block_hashes': each must be its digest's key")
+            require(keys == self.block_hashes, "field 'block_hashes': each must be its digest's key")
 
     def digests(self) -> list[bytes]:
         """One digest per block (``b""`` each when the sender gave none)."""
@@ -97,9 +97,9 @@ class CachePut(WireModel, _BlockList):
 
     def _check(self) -> None:
         self._check_blocks()
-        _require(bool(self.transport), "field 'transport': must not be empty")
-        _check_window_mask(self.window_mask, len(self.block_hashes))
-        _require(not self.window_mask or 0 < self.full_layers < self.block_shape[0],
+        require(bool(self.transport), "field 'transport': must not be empty")
+        check_window_mask(self.window_mask, len(self.block_hashes))
+        require(not self.window_mask or 0 < self.full_layers < self.block_shape[0],
                  "field 'window_mask': blocks without window rows need 0 < full_layers < block_shape[0]")
 
 
@@ -125,7 +125,7 @@ class CacheGet(WireModel, _BlockList):
 
     def _check(self) -> None:
         self._check_blocks()
-        _require(bool(self.transports), "field 'transports': must not be empty")
+        require(bool(self.transports), "field 'transports': must not be empty")
 
 
 @wire_message(MAX_CACHE_CONTROL_BYTES)
@@ -143,13 +143,13 @@ class CacheGetReply(WireModel):
     window_mask: bytes = b""
 
     def _check(self) -> None:
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
-        _check_range("num_blocks", self.num_blocks, 0, MAX_TIER_BLOCKS)
-        _check_window_mask(self.window_mask, self.num_blocks)
-        _require(self.dram_blocks >= 0 and self.ssd_blocks >= 0
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_range("num_blocks", self.num_blocks, 0, MAX_TIER_BLOCKS)
+        check_window_mask(self.window_mask, self.num_blocks)
+        require(self.dram_blocks >= 0 and self.ssd_blocks >= 0
                  and self.dram_blocks + self.ssd_blocks == self.num_blocks,
                  "fields 'dram_blocks' + 'ssd_blocks' must equal 'num_blocks'")
-        _require(self.num_blocks == 0 or (bool(self.transport) and bool(self.handle)),
+        require(self.num_blocks == 0 or (bool(self.transport) and bool(self.handle)),
                  "a reply with blocks needs a transport and a handle")
 
 
@@ -159,7 +159,7 @@ class CacheRelease(WireModel):
     transfer_id: str
 
     def _check(self) -> None:
-        _check_worker("transfer_id", self.transfer_id)
+        check_worker("transfer_id", self.transfer_id)
 
 
 @wire_message(MAX_CACHE_CONTROL_BYTES)
@@ -175,4 +175,4 @@ class StatsReply(WireModel):
     stats: dict[str, Any]
 
     def _check(self) -> None:
-        _check_worker("worker_id", self.worker_id)
+        check_worker("worker_id", self.worker_id)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 
-from shared.model.fingerprint import FINGERPRINT_HEX, is_fingerprint
-from shared.wire_fields import _check_id, _check_one_of, _check_range, _check_worker, _require
+from shared.wire_fields import check_fingerprint, check_id, check_one_of, check_range, check_worker, require
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_message
 
 MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entries
@@ -14,13 +13,6 @@ MAX_CONTROL_BYTES = 64 * 1024         # acks, errors, heartbeats, registry entri
 ROLES = ("prefill", "decode", "router", "draft", "cache_tier")
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
 KV_TIERS = ("device", "host", "disk", "cache_tier")  # a worker's pool, its host memory, its disk, the cache tier
-
-
-def _check_fingerprint(name: str, value: str, allow_empty: bool = True) -> None:
-    """A model build's fingerprint (``shared/model/fingerprint.py``): 32 lowercase hex chars, or "" where the
-    field is optional (a sender that names no build)."""
-    _require((allow_empty and value == "") or is_fingerprint(value),
-             f"field {name!r}: must be a model fingerprint ({FINGERPRINT_HEX} lowercase hex characters)")
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -31,7 +23,7 @@ class RequestProbe(WireModel):
     request_id: str
 
     def _check(self) -> None:
-        _check_id("request_id", self.request_id)
+        check_id("request_id", self.request_id)
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -46,10 +38,10 @@ class MigrateRequest(WireModel):
     transport: str = ""
 
     def _check(self) -> None:
-        _check_id("request_id", self.request_id)
+        check_id("request_id", self.request_id)
         if self.target:
-            _check_worker("target", self.target)
-        _check_id("transport", self.transport, allow_empty=True)
+            check_worker("target", self.target)
+        check_id("transport", self.transport, allow_empty=True)
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -80,19 +72,19 @@ class LoadReport(WireModel):
     switchable: bool = False        # a prefill/decode worker that changes role on ``ctl(worker, "role")``
 
     def _check(self) -> None:
-        _check_worker("worker_id", self.worker_id)
-        _check_one_of("role", self.role, ROLES)
-        _check_id("instance", self.instance, allow_empty=True)
-        _check_range("max_model_len", self.max_model_len, 0)
-        _check_range("max_num_seqs", self.max_num_seqs, 0)
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_worker("worker_id", self.worker_id)
+        check_one_of("role", self.role, ROLES)
+        check_id("instance", self.instance, allow_empty=True)
+        check_range("max_model_len", self.max_model_len, 0)
+        check_range("max_num_seqs", self.max_num_seqs, 0)
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
                      "queued_prefill_tokens", "kv_event_seq"):
-            _check_range(name, getattr(self, name), 0)
-        _check_range("kv_usage", self.kv_usage, 0.0, 1.0)
-        _check_range("tier_block_s", self.tier_block_s, 0.0, 60.0)
-        _check_range("step_ms", self.step_ms, 0.0, 3.6e6)
-        _require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
+            check_range(name, getattr(self, name), 0)
+        check_range("kv_usage", self.kv_usage, 0.0, 1.0)
+        check_range("tier_block_s", self.tier_block_s, 0.0, 60.0)
+        check_range("step_ms", self.step_ms, 0.0, 3.6e6)
+        require(math.isfinite(self.timestamp), "field 'timestamp': must be finite")
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -103,7 +95,7 @@ class RoleSwitch(WireModel):
     role: str
 
     def _check(self) -> None:
-        _check_one_of("role", self.role, ("prefill", "decode"))
+        check_one_of("role", self.role, ("prefill", "decode"))
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -114,8 +106,8 @@ class ScaleRequest(WireModel):
     delta: int
 
     def _check(self) -> None:
-        _check_one_of("role", self.role, ("prefill", "decode"))
-        _require(self.delta in (-1, 1), f"field 'delta': must be -1 or 1, got {self.delta!r}")
+        check_one_of("role", self.role, ("prefill", "decode"))
+        require(self.delta in (-1, 1), f"field 'delta': must be -1 or 1, got {self.delta!r}")
 
 
 @wire_message(MAX_CONTROL_BYTES)
@@ -133,11 +125,11 @@ class WorkerInfo(WireModel):
     model_fingerprint: str = ""     # as in LoadReport
 
     def _check(self) -> None:
-        _check_worker("worker_id", self.worker_id)
-        _check_one_of("role", self.role, ROLES)
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
-        _check_range("pid", self.pid, 0)
-        _check_range("block_size", self.block_size, 0)
+        check_worker("worker_id", self.worker_id)
+        check_one_of("role", self.role, ROLES)
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_range("pid", self.pid, 0)
+        check_range("block_size", self.block_size, 0)
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -151,12 +143,12 @@ class KVEvent(WireModel):
     tier: str = "device"
 
     def _check(self) -> None:
-        _check_worker("worker_id", self.worker_id)
-        _check_range("seq", self.seq, 0)
-        _check_one_of("kind", self.kind, KV_EVENT_KINDS)
-        _require(not self.block_hashes or min(self.block_hashes) >= 0,
+        check_worker("worker_id", self.worker_id)
+        check_range("seq", self.seq, 0)
+        check_one_of("kind", self.kind, KV_EVENT_KINDS)
+        require(not self.block_hashes or min(self.block_hashes) >= 0,
                  "field 'block_hashes': hashes must be unsigned 64-bit ints")
-        _check_one_of("tier", self.tier, KV_TIERS)
+        check_one_of("tier", self.tier, KV_TIERS)
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -169,6 +161,6 @@ class KVSnapshot(WireModel):
     tier: str = "device"
 
     def _check(self) -> None:
-        _check_worker("worker_id", self.worker_id)
-        _check_range("seq", self.seq, 0)
-        _check_one_of("tier", self.tier, KV_TIERS)
+        check_worker("worker_id", self.worker_id)
+        check_range("seq", self.seq, 0)
+        check_one_of("tier", self.tier, KV_TIERS)

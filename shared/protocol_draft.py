@@ -7,7 +7,7 @@ context back to back and ``lengths`` how many belong to each, in order; a reply'
 """
 from __future__ import annotations
 
-from shared.wire_fields import _check_range, _require
+from shared.wire_fields import check_range, require
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_DRAFT_SEQUENCES = 256
@@ -17,8 +17,8 @@ NUM_FEATURES = 4
 
 
 def _check_lengths(lengths: list[int], total: int, what: str) -> None:
-    _require(not lengths or min(lengths) >= 0, f"field 'lengths': must be ≥ 0")
-    _require(sum(lengths) == total, f"field 'lengths': sums to {sum(lengths)}, {what} holds {total}")
+    require(not lengths or min(lengths) >= 0, f"field 'lengths': must be ≥ 0")
+    require(sum(lengths) == total, f"field 'lengths': sums to {sum(lengths)}, {what} holds {total}")
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -30,11 +30,11 @@ class DraftRequest(WireModel):
     budget_s: float = 0.0  # how long the asker waits for the reply; the service drops it after that (0 = no limit)
 
     def _check(self) -> None:
-        _check_range("k", self.k, 1, MAX_DRAFT_K)
-        _check_range("budget_s", self.budget_s, 0.0, 3600.0)
-        _require(bool(self.lengths) and min(self.lengths) > 0, "field 'lengths': needs ≥ 1 non-empty sequence")
+        check_range("k", self.k, 1, MAX_DRAFT_K)
+        check_range("budget_s", self.budget_s, 0.0, 3600.0)
+        require(bool(self.lengths) and min(self.lengths) > 0, "field 'lengths': needs ≥ 1 non-empty sequence")
         _check_lengths(self.lengths, len(self.tokens), "'tokens'")
-        _require(min(self.tokens) >= 0 and max(self.tokens) < 1 << 32, "field 'tokens': token ids must be uint32")
+        require(min(self.tokens) >= 0 and max(self.tokens) < 1 << 32, "field 'tokens': token ids must be uint32")
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -45,8 +45,8 @@ class DraftReply(WireModel):
     features: list[float] = wire_field(max_len=MAX_DRAFT_SEQUENCES * MAX_DRAFT_K * NUM_FEATURES)
 
     def _check(self) -> None:
-        _require(not self.lengths or max(self.lengths) <= MAX_DRAFT_K, f"field 'lengths': at most {MAX_DRAFT_K}")
+        require(not self.lengths or max(self.lengths) <= MAX_DRAFT_K, f"field 'lengths': at most {MAX_DRAFT_K}")
         _check_lengths(self.lengths, len(self.tokens), "'tokens'")
-        _require(len(self.features) == NUM_FEATURES * len(self.tokens),
+        require(len(self.features) == NUM_FEATURES * len(self.tokens),
                  f"field 'features': {NUM_FEATURES} per token")
-        _require(not self.tokens or min(self.tokens) >= 0, "field 'tokens': token ids must be ≥ 0")
+        require(not self.tokens or min(self.tokens) >= 0, "field 'tokens': token ids must be ≥ 0")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shared.protocol_control import _check_fingerprint
 from shared.retention import NO_RETENTION
 from shared.sampling import SamplingParams
-from shared.wire_fields import (_check_id, _check_one_of, _check_range, _check_subject, _check_tokens,
-                                _check_window_mask, _check_worker, _require)
+from shared.wire_fields import (check_fingerprint, check_id, check_one_of, check_range, check_subject,
+                                check_tokens, check_window_mask, check_worker, require)
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_PROMPT_TOKENS = 1_000_000
@@ -29,15 +28,15 @@ class _SamplingChecks:
     __slots__ = ()
 
     def _check_common(self) -> None:
-        _check_id("request_id", self.request_id)
-        _check_id("cache_salt", self.cache_salt, allow_empty=True)
-        _check_id("retention", self.retention)
-        _check_tokens("prompt_token_ids", self.prompt_token_ids)
-        _check_subject("reply_to", self.reply_to)
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_id("request_id", self.request_id)
+        check_id("cache_salt", self.cache_salt, allow_empty=True)
+        check_id("retention", self.retention)
+        check_tokens("prompt_token_ids", self.prompt_token_ids)
+        check_subject("reply_to", self.reply_to)
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
         if self.router_id:
-            _check_worker("router_id", self.router_id)
-        _check_id("router_instance", self.router_instance, allow_empty=not self.router_id)
+            check_worker("router_id", self.router_id)
+        check_id("router_instance", self.router_instance, allow_empty=not self.router_id)
 
 
 @wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt: whatever fits a GenerateRequest must fit here
@@ -59,8 +58,8 @@ class PrefillRequest(WireModel, _SamplingChecks):
 
     def _check(self) -> None:
         self._check_common()
-        _check_worker("decode_worker", self.decode_worker)
-        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+        check_worker("decode_worker", self.decode_worker)
+        require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
 
 
 @wire_message(MAX_MESSAGE_BYTES)  # carries the whole prompt, like PrefillRequest
@@ -103,26 +102,26 @@ class KVHandoff(WireModel, _SamplingChecks):
 
     def _check(self) -> None:
         self._check_common()
-        _check_range("first_token", self.first_token, 0)
-        _check_tokens("prior_output_ids", self.prior_output_ids, allow_empty=True)
-        _require(len(self.prompt_token_ids) + len(self.prior_output_ids) <= MAX_PROMPT_TOKENS,
+        check_range("first_token", self.first_token, 0)
+        check_tokens("prior_output_ids", self.prior_output_ids, allow_empty=True)
+        require(len(self.prompt_token_ids) + len(self.prior_output_ids) <= MAX_PROMPT_TOKENS,
                  f"fields 'prompt_token_ids' + 'prior_output_ids': more than {MAX_PROMPT_TOKENS} tokens")
-        _require(len(self.generator_state) <= MAX_GENERATOR_STATE_BYTES,
+        require(len(self.generator_state) <= MAX_GENERATOR_STATE_BYTES,
                  f"field 'generator_state': more than {MAX_GENERATOR_STATE_BYTES} bytes")
-        _check_range("first_seq", self.first_seq, 1)
-        _check_range("first_block", self.first_block, 0)
-        _check_range("num_blocks", self.num_blocks, 0)
-        _check_window_mask(self.window_mask, self.num_blocks)
-        _require(bool(self.block_shape) and min(self.block_shape) > 0,
+        check_range("first_seq", self.first_seq, 1)
+        check_range("first_block", self.first_block, 0)
+        check_range("num_blocks", self.num_blocks, 0)
+        check_window_mask(self.window_mask, self.num_blocks)
+        require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")
-        _check_one_of("dtype", self.dtype, DTYPES)
-        _require(bool(self.transport), "field 'transport': must not be empty")
-        _check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
-        _check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
-        _check_range("ttft_ms", self.ttft_ms, 0.0)
-        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+        check_one_of("dtype", self.dtype, DTYPES)
+        require(bool(self.transport), "field 'transport': must not be empty")
+        check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
+        check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
+        check_range("ttft_ms", self.ttft_ms, 0.0)
+        require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
         if self.prefill_worker:
-            _check_worker("prefill_worker", self.prefill_worker)
+            check_worker("prefill_worker", self.prefill_worker)
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -143,16 +142,16 @@ class KVPrecopy(WireModel):
     window_mask: bytes = b""        # as in KVHandoff
 
     def _check(self) -> None:
-        _check_id("request_id", self.request_id)
-        _check_id("cache_salt", self.cache_salt, allow_empty=True)
-        _check_tokens("token_ids", self.token_ids)
-        _check_range("num_blocks", self.num_blocks, 1)
-        _check_window_mask(self.window_mask, self.num_blocks)
-        _require(bool(self.block_shape) and min(self.block_shape) > 0,
+        check_id("request_id", self.request_id)
+        check_id("cache_salt", self.cache_salt, allow_empty=True)
+        check_tokens("token_ids", self.token_ids)
+        check_range("num_blocks", self.num_blocks, 1)
+        check_window_mask(self.window_mask, self.num_blocks)
+        require(bool(self.block_shape) and min(self.block_shape) > 0,
                  "field 'block_shape': must be a non-empty list of positive ints")
-        _check_one_of("dtype", self.dtype, DTYPES)
-        _require(bool(self.transport), "field 'transport': must not be empty")
-        _check_fingerprint("model_fingerprint", self.model_fingerprint)
+        check_one_of("dtype", self.dtype, DTYPES)
+        require(bool(self.transport), "field 'transport': must not be empty")
+        check_fingerprint("model_fingerprint", self.model_fingerprint)
 
 
 @wire_message(MAX_MESSAGE_BYTES)
@@ -172,4 +171,4 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
 
     def _check(self) -> None:
         self._check_common()
-        _require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")
+        require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")

@@ -1,8 +1,8 @@
 """A request's sampling parameters: one type from the router's wire messages to the engine's sampler.
 
-The router builds a ``Sampling`` (alias ``SamplingParams``) once from the client's request (``GenerateRequest.sampling()``); it travels
-nested, unchanged, in every work message (prefill, hand-off, migration) and each engine samples with the value it
-received. Its rules run on construction, so also on decode and on ``dataclasses.replace``: what one hop accepts
+The router builds a ``Sampling`` (alias ``SamplingParams``) once from the client's request
+(``GenerateRequest.sampling()``); it travels nested, unchanged, in every work message (prefill, hand-off,
+migration) and each engine samples with the value it received. Its rules run on construction, so also on decode and on ``dataclasses.replace``: what one hop accepts
 every hop accepts. Violations raise ``invalid_request`` naming the field. Adding a sampling field touches this
 class, its rule in ``_check`` and the code that uses it.
 """

@@ -1,4 +1,4 @@
-"""The simulator's event loop and worker model (``_Sim``), driven by ``shared/sched/simulator.simulate``.
+"""The simulator's event loop and worker model (``Simulation``), driven by ``simulator/simulate.simulate``.
 
 Each worker has a KV cache of ``cap`` blocks (a block is a trace hash id), LRU eviction of unreferenced blocks, a
 FIFO prefill queue (chunked prefill mixed with decode, as the engine's token-budget scheduler) and continuous
@@ -22,16 +22,16 @@ from bisect import bisect_left
 
 from services.router.policy.placement import place_request
 from services.router.policy.profiles import Profile
-from simulator.state import _Req, _Worker
+from simulator.state import SimRequest, SimWorker
 from simulator.tier import SimTier
 from simulator.trace import TraceRequest
 from services.router.policy.types import ClusterView, Placement, RequestInfo, WorkerView
 
 # event kinds, in their order at equal times: finish work before taking new arrivals; ticks see it all
-_STEP, _HANDOFF, _ARRIVAL, _MOVED, _START, _TICK = 0, 1, 2, 3, 4, 5
+_STEP, _HANDOFF, _ARRIVAL, MOVED, START, TICK = 0, 1, 2, 3, 4, 5
 
 
-class _Sim:
+class Simulation:
     def __init__(self, trace, policy, profile: Profile, num_workers: int, prefill_workers: int,
                  kv_capacity_blocks: int, ttft_slo_s: float | None, tier: SimTier, retention: str,
                  block_size: int):
@@ -40,7 +40,7 @@ class _Sim:
         self.kv_capacity_blocks = kv_capacity_blocks
         start = trace[0].arrival_s if trace else 0.0
         roles = ["prefill"] * prefill_workers + (["decode"] if prefill_workers else ["both"]) * num_workers
-        self.workers = [_Worker(i, role, kv_capacity_blocks, start) for i, role in enumerate(roles)]
+        self.workers = [SimWorker(i, role, kv_capacity_blocks, start) for i, role in enumerate(roles)]
         self.by_id = {w.wid: w for w in self.workers}
         self.tier, self.retention = tier, retention
         self.tier_hits = {"dram": 0, "ssd": 0}  # blocks pulled from each tier
@@ -49,7 +49,7 @@ class _Sim:
         self.events: list = []
         self.seq = 0
         self.rejected = 0
-        self.done: list[_Req] = []
+        self.done: list[SimRequest] = []
         self.hit_blocks = self.local_blocks = self.total_blocks = 0
         self.now = 0.0
         self.last_work_s = 0.0  # time of the last event that was not a tick or a worker start
@@ -65,7 +65,7 @@ class _Sim:
     def view(self, tr: TraceRequest) -> ClusterView:
         """What the policy sees: every worker taking placements (neither draining nor removed); a decode
         worker's waiting requests include those placed there whose prefill or hand-off is under way, as the
-        router counts its own placements (``_Worker.num_waiting``)."""
+        router counts its own placements (``SimWorker.num_waiting``)."""
         views, overlap = [], {}
         for w in self.workers:
             if w.draining or w.removed:
@@ -95,7 +95,7 @@ class _Sim:
         dw = self.by_id[placed.decode_worker]
         pw = self.by_id[placed.prefill_worker] if placed.prefill_worker else dw
         hit = max(view.overlap[pw.wid], view.remote_overlap)
-        r = _Req(tr, dw.idx, max(1, tr.input_length - hit * self.bs))
+        r = SimRequest(tr, dw.idx, max(1, tr.input_length - hit * self.bs))
         if pw is not dw:
             dw.incoming += 1
         pw.queue.append(r)
@@ -103,7 +103,7 @@ class _Sim:
         self.join(pw)
 
     # --- worker steps ------------------------------------------------------------------------------------
-    def join(self, w: _Worker) -> None:
+    def join(self, w: SimWorker) -> None:
         """Work reached ``w`` now: an idle worker plans a step; a busy one ends its pending multi-step at the
         first step boundary at or after now (steps already under way complete), so the work enters the batch
         there."""
@@ -118,7 +118,7 @@ class _Sim:
         w.step_ends = ends[:j + 1]
         self.push(ends[j], _STEP, (w.idx, w.gen, j + 1, (), w.step_decoding))
 
-    def admit(self, w: _Worker) -> _Req | None:
+    def admit(self, w: SimWorker) -> SimRequest | None:
         """Move the queue's head into the running batch if its blocks fit (FIFO: a head that does not fit
         waits for running requests to free blocks); None when it must wait."""
         r = w.queue[0]
@@ -150,7 +150,7 @@ class _Sim:
         w.prefill_left += r.uncached
         return r
 
-    def pull(self, r: _Req, local: int) -> None:
+    def pull(self, r: SimRequest, local: int) -> None:
         """``r`` (admitted where it holds ``local`` blocks) pulls the tier's blocks beyond them; its first
         prefill chunk pays the pull time."""
         held = self.tier.prefix(r.tr.hash_ids, self.now)
@@ -160,18 +160,18 @@ class _Sim:
             for src, n in self.tier.use(r.tr.hash_ids[local:held.blocks], self.retention, self.now).items():
                 self.tier_hits[src] += n
 
-    def _chunk_s(self, r: _Req, c: int) -> float:
+    def _chunk_s(self, r: SimRequest, c: int) -> float:
         ctx = r.tr.input_length - r.uncached + r.done  # tokens already in the KV (prefix + earlier chunks)
         return self.p.chunk_s(ctx, c) + (r.pull_s if r.done == 0 else 0.0)
 
-    def plan(self, w: _Worker) -> None:
+    def plan(self, w: SimWorker) -> None:
         """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
         requests in admission order (a decode takes 1 token, a prefill the rest of its prompt up to the
         budget; once the budget is spent the rest of the batch waits a step), then queued requests are
         admitted while budget, blocks and ``max_num_seqs`` allow."""
         budget = self.p.chunk_tokens
-        chunks: list[tuple[_Req, int]] = []
-        decoding: list[_Req] = []
+        chunks: list[tuple[SimRequest, int]] = []
+        decoding: list[SimRequest] = []
         for r in w.running:
             if budget <= 0:
                 break
@@ -235,7 +235,7 @@ class _Sim:
         if w.draining:
             self.elastic.maybe_retire(w)
 
-    def prefilled(self, w: _Worker, r: _Req) -> None:
+    def prefilled(self, w: SimWorker, r: SimRequest) -> None:
         hashes = r.tr.hash_ids
         for h in hashes[r.local:]:
             w.pin(h)
@@ -252,7 +252,7 @@ class _Sim:
             return
         self.start_decode(w, r)
 
-    def start_decode(self, w: _Worker, r: _Req) -> None:
+    def start_decode(self, w: SimWorker, r: SimRequest) -> None:
         """The step that finished ``r``'s prompt sampled its first token; it decodes from the next step."""
         r.first_s = self.now
         r.generated = 1
@@ -263,7 +263,7 @@ class _Sim:
             return
         w.kv_tokens += r.tr.input_length + 1
 
-    def handoff(self, r: _Req) -> None:
+    def handoff(self, r: SimRequest) -> None:
         w = self.workers[r.decode_w]
         w.incoming -= 1
         r.total_blocks = -(-(r.tr.input_length + r.tr.output_length) // self.bs)
@@ -276,7 +276,7 @@ class _Sim:
         if w.draining:  # a one-token request ends on arrival
             self.elastic.maybe_retire(w)
 
-    def finish(self, w: _Worker, r: _Req) -> None:
+    def finish(self, w: SimWorker, r: SimRequest) -> None:
         w.running.remove(r)
         w.release(r)
         if r.generated > 1 or r.tr.output_length > 1:
@@ -298,7 +298,7 @@ class _Sim:
             if self.stale(kind, data):
                 continue
             self.now = t
-            if kind < _START:
+            if kind < START:
                 self.last_work_s = t
             if kind == _ARRIVAL:
                 if data + 1 < len(self.trace):

@@ -26,14 +26,14 @@ import logging
 
 from services.router.policy.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
 from services.router.policy.pd_planner import Planner, PlannerConfig, PoolWorker
-from simulator.core import _MOVED, _START, _TICK, _Sim
-from simulator.state import _Req, _Worker
+from simulator.core import MOVED, START, TICK, Simulation
+from simulator.state import SimRequest, SimWorker
 
 logger = logging.getLogger(__name__)
 
 
 class Elastic:
-    def __init__(self, sim: _Sim, migration: MigrationConfig | None, planner: PlannerConfig | None,
+    def __init__(self, sim: Simulation, migration: MigrationConfig | None, planner: PlannerConfig | None,
                  tick_s: float, startup_s: float) -> None:
         if tick_s <= 0 or startup_s < 0:
             raise ValueError(f"tick_s must be > 0 and startup_s >= 0, got {tick_s}, {startup_s}")
@@ -54,14 +54,14 @@ class Elastic:
 
     def _schedule(self, t: float) -> None:
         self.sim.next_tick = t
-        self.sim.push(t, _TICK, None)
+        self.sim.push(t, TICK, None)
 
     def on_event(self, kind: int, data) -> None:
-        if kind == _TICK:
+        if kind == TICK:
             self.tick()
-        elif kind == _MOVED:
+        elif kind == MOVED:
             self.arrive(*data)
-        elif kind == _START:
+        elif kind == START:
             self.join(*data)
 
     def tick(self) -> None:
@@ -74,16 +74,16 @@ class Elastic:
         for w in self.live():
             if w.draining:
                 self.maybe_retire(w)
-        if any(kind not in (_TICK, _START) and not sim.stale(kind, d) for _, kind, _, d in sim.events):  # work remains
+        if any(kind not in (TICK, START) and not sim.stale(kind, d) for _, kind, _, d in sim.events):  # work remains
             self._schedule(sim.now + self.tick_s)
         else:
             sim.next_tick = float("inf")
 
-    def live(self) -> list[_Worker]:
+    def live(self) -> list[SimWorker]:
         return [w for w in self.sim.workers if not w.removed]
 
     # --- live migration ----------------------------------------------------------------------------------
-    def _step_s(self, w: _Worker) -> float:
+    def _step_s(self, w: SimWorker) -> float:
         """Seconds per output token of the worker's decoding streams (0 when none decodes)."""
         return self.sim.p.decode_step_s(sum(r.first_s is not None for r in w.running), w.kv_tokens)
 
@@ -106,7 +106,7 @@ class Elastic:
             r, source = by_rid[rid]
             self.order(r, source, sim.by_id[target], reason)
 
-    def order(self, r: _Req, source: _Worker, target: _Worker, reason: str) -> None:
+    def order(self, r: SimRequest, source: SimWorker, target: SimWorker, reason: str) -> None:
         """Reserve ``r``'s blocks on ``target`` and mark it to leave ``source`` between steps."""
         need = -(-(r.tr.input_length + r.tr.output_length) // self.sim.bs)
         if target.cap - target.used < need:
@@ -122,7 +122,7 @@ class Elastic:
         if not source.busy:  # between steps already
             self.detach(source)
 
-    def detach(self, w: _Worker) -> None:
+    def detach(self, w: SimWorker) -> None:
         """The streams ordered out of ``w`` leave it now; one that finished meanwhile frees its reservation."""
         sim = self.sim
         for r in w.moves_out:
@@ -140,10 +140,10 @@ class Elastic:
             w.kv_tokens -= r.tr.input_length + r.generated
             t = sim.now + -(-(r.tr.input_length + r.generated) // sim.bs) * sim.block_s
             self.pause_s += t - sim.now
-            sim.push(t, _MOVED, (r, w.wid))
+            sim.push(t, MOVED, (r, w.wid))
         w.moves_out = []
 
-    def arrive(self, r: _Req, source: str) -> None:
+    def arrive(self, r: SimRequest, source: str) -> None:
         """``r``'s context arrived on its target: it decodes there from the next step."""
         sim = self.sim
         tidx, reason = r.move_to
@@ -159,7 +159,7 @@ class Elastic:
         sim.join(w)  # it joins the batch at the target's next step boundary
 
     # --- the P:D planner ---------------------------------------------------------------------------------
-    def pool_worker(self, w: _Worker) -> PoolWorker:
+    def pool_worker(self, w: SimWorker) -> PoolWorker:
         """As the router's planner builds it: waiting is ``max(waiting, placed - running)`` (placed: requests
         placed there and not ended, including those on their way); KV usage as the engine reports it."""
         return PoolWorker(w.wid, w.role, switchable=True, queued_prefill_tokens=w.queued_tokens + w.prefill_left,
@@ -178,7 +178,7 @@ class Elastic:
         if action.kind == "switch":
             self.drain(sim.by_id[action.worker_id], rec)
         elif action.delta > 0:
-            sim.push(sim.now + self.startup_s, _START, (action.role, sim.now, rec))
+            sim.push(sim.now + self.startup_s, START, (action.role, sim.now, rec))
         elif action.delta < 0:
             pick = min((w for w in self.live() if w.role == action.role and not w.draining),
                        key=lambda w: (len(w.running) + len(w.queue), w.queued_tokens, w.wid), default=None)
@@ -188,14 +188,14 @@ class Elastic:
             rec["worker"] = pick.wid
             self.drain(pick, rec)
 
-    def drain(self, w: _Worker, rec: dict) -> None:
+    def drain(self, w: SimWorker, rec: dict) -> None:
         if w.draining or w.removed:
             logger.warning("planner decision on %s ignored: it is draining or gone already", w.wid)
             return
         w.draining, w.after_drain = True, rec
         self.maybe_retire(w)
 
-    def maybe_retire(self, w: _Worker) -> None:
+    def maybe_retire(self, w: SimWorker) -> None:
         """A draining worker holding nothing takes its new role (switch) or leaves (scale -1)."""
         if not w.draining or not w.holds_nothing():
             return
@@ -210,7 +210,7 @@ class Elastic:
 
     def join(self, role: str, decided_s: float, rec: dict) -> None:
         sim = self.sim
-        w = _Worker(len(sim.workers), role, sim.kv_capacity_blocks, born_s=decided_s)
+        w = SimWorker(len(sim.workers), role, sim.kv_capacity_blocks, born_s=decided_s)
         sim.workers.append(w)
         sim.by_id[w.wid] = w
         rec["worker"], rec["done_s"] = w.wid, round(sim.now - sim.trace[0].arrival_s, 6)
@@ -220,7 +220,7 @@ class Elastic:
     def worker_seconds(self, stop: float) -> float:
         """Seconds of worker time paid for until ``stop`` (a worker being started counts from its decision)."""
         paid = sum(min(stop, w.ended_s if w.ended_s is not None else stop) - w.born_s for w in self.sim.workers)
-        return paid + sum(max(0.0, stop - d[1]) for t, kind, _, d in self.sim.events if kind == _START)
+        return paid + sum(max(0.0, stop - d[1]) for t, kind, _, d in self.sim.events if kind == START)
 
     def results(self) -> dict:
         out: dict = {}

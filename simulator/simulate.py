@@ -2,7 +2,7 @@
 
 Each worker has a KV cache of ``kv_capacity_blocks`` blocks (a block is a trace hash id, 512 tokens), LRU
 eviction of unreferenced blocks, a FIFO prefill queue (chunked prefill, one request at a time, mixed with
-decode) and continuous batched decode (``sim_engine._Sim``). An optional shared cache tier
+decode) and continuous batched decode (``simulator/core.py``). An optional shared cache tier
 (``sim_tier.SimTier``: the block store's DRAM + SSD model with retention classes) serves prefixes at the
 profile's tier bandwidths: a placement sees its prefix as ``remote_overlap`` at the mean pull cost of the blocks
 it would serve, a request pulls the tier blocks beyond its worker's own prefix when admitted, and every block of
@@ -23,7 +23,7 @@ from services.router.policy.pd_planner import PlannerConfig
 from services.router.policy.policies import make_policy
 from services.router.policy.profiles import Profile, get_profile
 from simulator.elastic import Elastic
-from simulator.core import _Sim
+from simulator.core import Simulation
 from simulator.metrics import (account, distinct_blocks, format_table, ideal_hit_rate, json_line,
                                       plot_ttft_cdf, served_metrics)
 from simulator.tier import SimTier
@@ -76,7 +76,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     ndist = distinct_blocks(trace)
     if kv_capacity_blocks is None:
         kv_capacity_blocks = max(1, math.ceil(kv_capacity_frac * ndist / (num_workers + prefill_workers)))
-    sim = _Sim(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
+    sim = Simulation(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
                ttft_slo_s, tier, retention, block_size)
     elastic = None
     if migration is not None or planner is not None:

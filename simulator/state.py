@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from simulator.trace import TraceRequest
 
 
-class _Req:
+class SimRequest:
     __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_s", "tier_tokens", "uncached", "done",
                  "first_s", "generated", "pinned", "private", "total_blocks", "move_to", "moved_at")
 
@@ -32,26 +32,26 @@ class _Req:
         self.moved_at: float | None = None  # when it last arrived by live migration
 
 
-class _Worker:
+class SimWorker:
     def __init__(self, idx: int, role: str, cap: int, born_s: float = 0.0) -> None:
         self.idx, self.role, self.cap = idx, role, cap
         self.wid = f"w{idx:03d}"
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced (evictable), oldest first
         self.pinned: dict[int, int] = {}  # cached and referenced: refcount
         self.private = 0  # reserved blocks not (yet) identified by a hash
-        self.queue: deque[_Req] = deque()
+        self.queue: deque[SimRequest] = deque()
         self.queued_tokens = 0
         self.prefill_left = 0  # prompt tokens admitted but not yet computed
-        self.running: list[_Req] = []
+        self.running: list[SimRequest] = []
         self.kv_tokens = 0
         self.busy = False
         self.gen = 0  # stamp of the pending step event: one with an older stamp was cut short and is ignored
         self.step_ends: list[float] = []  # boundaries of the pending step event's steps, in time order
-        self.step_decoding: list[_Req] = []  # the streams the pending step event decodes
+        self.step_decoding: list[SimRequest] = []  # the streams the pending step event decodes
         # elastic cluster (sim_elastic.py): drain, role switch, removal, live migration
         self.draining = self.removed = False
         self.incoming = 0  # placed here to decode, prefill or hand-off still under way
-        self.moves_out: list[_Req] = []  # streams ordered to migrate away, detached when the current step ends
+        self.moves_out: list[SimRequest] = []  # streams ordered to migrate away, detached when the current step ends
         self.born_s, self.ended_s = born_s, None  # alive (and paid for) from born_s until ended_s
         self.after_drain: dict | None = None  # the planner decision carried out once the drain completes
 
@@ -105,7 +105,7 @@ class _Worker:
         self.pinned[h] = 1
         return cached
 
-    def release(self, r: _Req) -> None:
+    def release(self, r: SimRequest) -> None:
         for h in reversed(r.pinned):  # tail blocks become the oldest: evicted before the prefix they extend
             n = self.pinned[h] - 1
             if n:

@@ -1,6 +1,6 @@
 """The router's side of scheduling: picks the model build (``services/router/models.py``), builds a
 ``ClusterView`` of that build's workers from heartbeats and the KV index (block hashes under that build's
-fingerprint), asks ``shared/sched/placement.place_request`` (the configured policy plus the one rule for the
+fingerprint), asks ``services/router/policy/placement.place_request`` (the configured policy plus the one rule for the
 prefill site and KV transport, shared with the simulator), and turns the decision into worker states.
 
 Invariant: both workers of a placement report the fingerprint it returns.

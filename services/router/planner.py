@@ -1,5 +1,5 @@
 """The online P:D planner, router side: every ``interval_s`` it feeds the prefill and decode heartbeats to the
-planner policy (``shared/sched/pd_planner.Planner``, the one the simulator runs) and carries out its decisions.
+planner policy (``services/router/policy/pd_planner.Planner``, the one the simulator runs) and carries out its decisions.
 
 - ``switch``: ``RoleSwitch`` on ``ctl(<worker>, "role")`` to a switchable worker (``services/switchable``); the
   worker drains (its decode streams live-migrate away: the router's ``Migrator`` moves a draining worker's

@@ -4,7 +4,7 @@ A worker is alive while its last heartbeat is younger than ``dead_after_s``; new
 alive workers that are not draining (a draining worker is still alive: the streams it finishes are watched
 as usual). An entry dead for longer than ``forget_after_s`` is dropped by ``prune`` (restarted workers come
 back under new ids, so the table would otherwise grow forever). Placement itself is the
-policy's (``shared/sched/`` via ``services/router/placement.py``).
+policy's (``services/router/policy/`` via ``services/router/placement.py``).
 
 A worker that was dead and heartbeats again (a host whose link came back, a worker whose NATS connection
 resumed) takes new work only after ``rejoin_after_s`` of unbroken heartbeats: a connection that resumes after a

@@ -5,7 +5,7 @@ import torch
 
 from shared.errors import DeepinferError
 from shared.kv import block_pack
-from shared.wire_fields import _check_window_mask
+from shared.wire_fields import check_window_mask
 
 L, WINDOW_LAYERS, BLOCK = 6, [0, 1, 2, 3, 4], [6, 2, 1, 4, 3]   # five window layers, one full (layer 5)
 
@@ -25,7 +25,7 @@ def test_a_mask_that_cannot_describe_the_blocks_is_refused(mask, n):
     with pytest.raises(DeepinferError, match="transfer_failed"):
         block_pack.decode_mask(mask, n)
     with pytest.raises(DeepinferError, match="invalid_request"):
-        _check_window_mask(mask, n)
+        check_window_mask(mask, n)
 
 
 def test_pack_keeps_full_rows_and_only_carried_window_rows():

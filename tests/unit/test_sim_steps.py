@@ -10,8 +10,8 @@ import pytest
 from simulator import elastic as sim_elastic
 from services.router.policy.profiles import Profile
 from simulator.elastic import Elastic
-from simulator.core import _Sim
-from simulator.state import _Req, _Worker
+from simulator.core import Simulation
+from simulator.state import SimRequest, SimWorker
 from simulator.tier import SimTier
 from simulator.simulate import MigrationConfig, TraceRequest, _make_policy, simulate
 from simulator.workloads import shifting_workload
@@ -53,7 +53,7 @@ def _join_waits(monkeypatch, trace, **kw) -> tuple[dict, list[tuple[str, float]]
     from its arrival to the start of the first step that decodes it there."""
     arrived: dict[int, tuple[int, float, str]] = {}
     waits: list[tuple[str, float]] = []
-    handoff, arrive, step_done = _Sim.handoff, Elastic.arrive, _Sim.step_done
+    handoff, arrive, step_done = Simulation.handoff, Elastic.arrive, Simulation.step_done
 
     def on_handoff(self, r):
         arrived[r.tr.idx] = (r.decode_w, self.now, "handoff")
@@ -71,9 +71,9 @@ def _join_waits(monkeypatch, trace, **kw) -> tuple[dict, list[tuple[str, float]]
                 waits.append((how, self.now - k * STEP - t))  # this event's first step started at now - k STEP
         step_done(self, widx, gen, k, chunks, decoding)
 
-    monkeypatch.setattr(_Sim, "handoff", on_handoff)
+    monkeypatch.setattr(Simulation, "handoff", on_handoff)
     monkeypatch.setattr(Elastic, "arrive", on_arrive)
-    monkeypatch.setattr(_Sim, "step_done", on_step_done)
+    monkeypatch.setattr(Simulation, "step_done", on_step_done)
     res = simulate(trace, "round_robin", HAND, num_workers=2, prefill_workers=1, kv_capacity_blocks=10_000,
                    block_size=BS, **kw)
     return res, waits
@@ -105,8 +105,8 @@ def test_ticks_that_decide_nothing_change_nothing(make):
     assert ticked == plain
 
 
-def _sim(policy: str = "least_loaded") -> _Sim:
-    return _Sim([], _make_policy(policy, 0), HAND, 2, 1, 1000, None, SimTier(0, 0, None, 1.0, 1.0), "chat", BS)
+def _sim(policy: str = "least_loaded") -> Simulation:
+    return Simulation([], _make_policy(policy, 0), HAND, 2, 1, 1000, None, SimTier(0, 0, None, 1.0, 1.0), "chat", BS)
 
 
 def test_decode_view_counts_placements_under_way():
@@ -149,8 +149,8 @@ def test_migration_and_planner_inputs_match_the_routers(monkeypatch):
 def test_kv_usage_is_what_a_heartbeat_reports():
     """The engine allocates a stream's blocks as its tokens come and never reports more than a full pool; the
     simulator reserves the output's blocks on arrival and lets reservations exceed the pool."""
-    w = _Worker(1, "decode", 10)
-    r = _Req(_req(0, 0.0, 64, 64), 1, 64)  # 4 prompt blocks, 4 more for the output (BS 16)
+    w = SimWorker(1, "decode", 10)
+    r = SimRequest(_req(0, 0.0, 64, 64), 1, 64)  # 4 prompt blocks, 4 more for the output (BS 16)
     r.total_blocks = r.private = w.private = 8
     r.generated = 1
     w.running.append(r)

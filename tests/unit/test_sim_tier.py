@@ -12,7 +12,7 @@ from shared.errors import DeepinferError
 from shared.retention import RetentionPolicy
 from services.router.policy.profiles import PROFILES, get_profile
 from simulator.tier import SimTier, TierPrefix
-from simulator.simulate import TraceRequest, _make_policy, _Sim, json_line, simulate
+from simulator.simulate import TraceRequest, _make_policy, Simulation, json_line, simulate
 
 BS = 512
 POLICY = RetentionPolicy({"long": 100.0, "short": 10.0, "none": 0.0})
@@ -133,7 +133,7 @@ def test_the_view_shows_the_tier_prefix_at_its_mixed_pull_cost():
     tier = SimTier(2, 10, RetentionPolicy(), prof.tier_block_s("dram", BS), prof.tier_block_s("ssd", BS))
     tier.put((3, 2, 1), "chat", now=0.0)  # tail first: 3 goes to SSD, 1 and 2 stay in DRAM
     tr = TraceRequest(0, 0.0, 4 * BS, 4, (1, 2, 3, 4))
-    sim = _Sim([tr], _make_policy("predictive", 0), prof, 2, 0, 100, None, tier, "chat", BS)
+    sim = Simulation([tr], _make_policy("predictive", 0), prof, 2, 0, 100, None, tier, "chat", BS)
     view = sim.view(tr)
     assert view.remote_overlap == 3
     expect = (2 * prof.tier_block_s("dram", BS) + prof.tier_block_s("ssd", BS)) / 3

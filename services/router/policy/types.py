@@ -74,7 +74,7 @@ class ClusterView:
 @dataclass(frozen=True, slots=True)
 class Placement:
     """``prefill_worker`` None means: prefill on the decode worker itself (no disaggregation); otherwise
-    ``transport`` (set by ``shared/sched/placement.place_request``) moves the KV between the two."""
+    ``transport`` (set by ``services/router/policy/placement.place_request``) moves the KV between the two."""
 
     decode_worker: str
     prefill_worker: str | None

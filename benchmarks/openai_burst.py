@@ -9,6 +9,10 @@ the in-process engine's; for each launched layout, every process's user+system C
 
     python -m benchmarks.openai_burst --url http://127.0.0.1:8000          # a running server (vllm serve too)
     python -m benchmarks.openai_burst --engine --up "--prefill 0 --cache-tier 0" --up ""   # launches them here
+    python -m benchmarks.openai_burst --engine --up "" --variant plain={} \
+        --variant 'penalties={"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}'
+``--variant NAME=JSON`` (repeatable) adds JSON's fields to every request body (the engine baseline gets the same
+sampling fields), each variant a burst of its own on the same server, side by side.
 Prompt sets: ``distinct`` (the 64 bench prompts) and ``shared-prefix`` (the same behind one 1,002-token block).
 """
 from __future__ import annotations
@@ -36,9 +40,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
-              api_key: str) -> dict:
+              api_key: str, extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
     times, tokens, error = [], 0, None
@@ -66,7 +70,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
     return {"error": error, "tokens": tokens, "ttft": times[0] if times else None, "tpot": tpot}
 
 
-async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: str = "", model: str = "") -> dict:
+async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: str = "", model: str = "",
+                extra: dict | None = None) -> dict:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         if not model:
@@ -74,7 +79,7 @@ async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: st
                                    if api_key else {}) as resp:
                 model = (await resp.json())["data"][0]["id"]
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one(session, url, model, p, max_tokens, api_key) for p in prompts))
+        rows = await asyncio.gather(*(one(session, url, model, p, max_tokens, api_key, extra) for p in prompts))
         wall = time.perf_counter() - t0
     ok = [r for r in rows if r["error"] is None]
     errors = sorted({r["error"] for r in rows if r["error"]})
@@ -84,14 +89,15 @@ async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: st
             "tpot": [r["tpot"] for r in ok if r["tpot"] is not None]}
 
 
-def engine_burst(prompts: list[list[int]], max_tokens: int) -> dict:
-    """The in-process engine on the same work (every prompt added at once, stepped to the end)."""
+def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None = None) -> dict:
+    """The in-process engine on the same work (every prompt added at once, stepped to the end), with a variant's
+    sampling fields."""
     from shared.engine.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling import SamplingParams
 
     engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **(extra or {}))
     t0 = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -123,9 +129,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
     return out
 
 
-async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run the burst, stop.
-    ``cpu``: each process's (user, system) CPU seconds during the burst (the served path's breakdown)."""
+async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int,
+                   variants: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Start ``deepinfer up <flags>`` (its defaults otherwise), warm it with one request, run one burst per
+    variant, stop. ``cpu``: each process's (user, system) CPU seconds during a burst (the served path's
+    breakdown)."""
     from cli import up as cli_up
     from cli.main import build_parser
     from cli.launcher import Cluster
@@ -139,11 +147,15 @@ async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int) -> dic
         pids = {name: proc.pid for name, proc in cluster.procs.items()}
         if cluster.server is not None:
             pids["nats-server"] = cluster.server.proc.pid
-        before = cpu_seconds(pids)
-        result = await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys))
-        after = cpu_seconds(pids)
-        result["cpu"] = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in after if n in before}
-        return result
+        results = {}
+        for name, extra in (variants or {"": {}}).items():
+            before = cpu_seconds(pids)
+            result = await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys), extra=extra)
+            after = cpu_seconds(pids)
+            result["cpu"] = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
+                             for n in after if n in before}
+            results[name] = result
+        return results
     finally:
         await asyncio.to_thread(cluster.stop)
 
@@ -166,19 +178,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--api-key", default="")
     ap.add_argument("--model", default="", help="model id (default: the first of /v1/models)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="extra request fields, e.g. 'penalties={\"presence_penalty\": 1.5}' (repeatable)")
     args = ap.parse_args()
+    variants = {v.partition("=")[0]: json.loads(v.partition("=")[2] or "{}") for v in args.variant} or {"": {}}
+    tag = lambda label, name: f"{label} [{name}]" if name else label   # noqa: E731
     logging.basicConfig(level=logging.WARNING)
     sets = ["distinct", "shared-prefix"] if args.prompt_set == "both" else [args.prompt_set]
     for name in sets:
         prompts = load_prompt_set(name, args.limit)
         results: dict[str, dict] = {}
-        if args.engine:
-            results["in-process engine"] = engine_burst(prompts, args.max_tokens)
+        for variant, extra in variants.items():
+            if args.engine:
+                results[tag("in-process engine", variant)] = engine_burst(prompts, args.max_tokens, extra)
         for flags in args.up:
-            results[f"deepinfer up {flags}".strip()] = asyncio.run(up_burst(flags, prompts, args.max_tokens))
+            for variant, r in asyncio.run(up_burst(flags, prompts, args.max_tokens, variants)).items():
+                results[tag(f"deepinfer up {flags}".strip(), variant)] = r
         for url in args.url:
-            results[url] = asyncio.run(burst(url, prompts, args.max_tokens, args.api_key, args.model))
-        base = results.get("in-process engine", {}).get("tok_s")
+            for variant, extra in variants.items():
+                results[tag(url, variant)] = asyncio.run(burst(url, prompts, args.max_tokens, args.api_key,
+                                                               args.model, extra))
+        base = results.get(tag("in-process engine", next(iter(variants))), {}).get("tok_s")
         print(f"\n{name}: {len(prompts)} prompts x {args.max_tokens} tokens, all at once, greedy, ignore_eos")
         hdr = f"{'server':<34}{'ok/err':>9}{'tok/s':>9}{'vs eng':>7}{'TTFT p50':>9}{'p99':>8}{'TPOT ms':>9}{'p99':>8}"
         print(hdr)

@@ -77,6 +77,12 @@ class GenerateRequest(WireModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict = wire_field(default_factory=dict)         # token id (decimal string) -> bias
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list)
     stop_token_ids: list[int] = wire_field(default_factory=list)
@@ -119,9 +125,13 @@ class GenerateRequest(WireModel):
 
     def sampling(self) -> SamplingParams:
         """The request's sampling parameters, the value every hop carries (validated: ``invalid_request``)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                        top_p=self.top_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                        ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, speculative=self.speculative)
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            speculative=self.speculative)
 
 
 @wire_message(MAX_CHUNK_BYTES)

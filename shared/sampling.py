@@ -15,6 +15,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024            # entries of logit_bias (OpenAI allows 300; vLLM sets no bound)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary
 
 
 @wire_message(64 * 1024)
@@ -31,12 +33,28 @@ class Sampling(WireModel):
     was sampled. ``speculative``: speculative decoding for this request (None: the decode worker's default).
     ``prefill_only``: the engine stops after the first token with the KV held for a hand-off, finish reason
     ``prefilled`` unless a stop rule of the whole request ended it there; ``max_tokens`` stays the request's own.
+
+    Logits processors, vLLM's semantics (``shared/engine/logits_processors.py`` applies them, batched, to the
+    logits of every sampled position, drafted ones included; greedy decoding takes the argmax of the processed
+    logits): ``allowed_token_ids`` (None: all) masks every other token; ``logit_bias`` (token id as a decimal
+    string, OpenAI's form -> a bias in [-100, 100]) is added; ``repetition_penalty`` (> 0, 1 = off) divides a
+    positive logit, multiplies a negative one, of every token in prompt + output (HF's and vLLM's rule);
+    ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]) subtract ``f * count + p * (count > 0)``, count over
+    the output tokens only. ``min_p`` (in [0, 1]) drops tokens whose probability after temperature is below
+    ``min_p`` times the top token's. Their state is the token history itself, so it is exact wherever a stream
+    moves (hand-off, failover, migration, resume).
     """
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict = wire_field(default_factory=dict)
+    allowed_token_ids: list[int] | None = wire_field(default=None, max_len=MAX_ALLOWED_TOKEN_IDS)
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
@@ -54,6 +72,17 @@ class Sampling(WireModel):
             raise invalid(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise invalid(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise invalid(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise invalid(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 100:   # NaN fails too
+            raise invalid(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        self._check_logit_bias()
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids
+                                                   or any(t < 0 for t in self.allowed_token_ids)):
+            raise invalid("allowed_token_ids must be a non-empty list of non-negative token ids (or absent)")
         if self.top_k < -1:
             raise invalid(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -63,6 +92,27 @@ class Sampling(WireModel):
                           f"{MAX_STOP_STRING_LEN} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise invalid(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for key, bias in self.logit_bias.items():
+            if not (isinstance(key, str) and key.isdecimal() and len(key) <= 9):
+                raise invalid(f"logit_bias keys must be token ids (decimal strings), got {key!r:.40}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise invalid(f"logit_bias values must be numbers in [-100, 100], got {bias!r:.40} for {key}")
+
+    @property
+    def token_ids_named(self) -> list[int]:
+        """Every token id the request names (stop tokens, biased and allowed ids): what ``validate`` bounds by the
+        vocabulary."""
+        return [*self.stop_token_ids, *map(int, self.logit_bias), *(self.allowed_token_ids or ())]
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor is on (``shared/engine/logits_processors.py``); off, the sampler skips them."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.repetition_penalty != 1.0
+                    or self.presence_penalty or self.frequency_penalty or self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

@@ -3,13 +3,16 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour (``n`` > 1, ``logprobs``, penalties, tools, non-text content) are rejected, never ignored, and so
-  are parameters we do not know (``min_p`` != 0, ``tool_choice``, a typo): a client must not believe a setting
-  took effect. A parameter at its neutral value (``repetition_penalty: 1.0``, ``logprobs: null``, ``best_of: 1``,
-  ``min_p: 0``, the penalties at 0: what benchmark clients send on every call) changes nothing and is accepted.
+  cannot honour yet (``n`` > 1, ``logprobs``, tools, ``response_format`` other than text, non-text content) are
+  rejected, never ignored, and so are parameters we do not know (a typo): a client must not believe a setting
+  took effect. A parameter at its neutral value (``tools: []``, ``tool_choice: "none"``, ``response_format:
+  {"type": "text"}``, ``logprobs: false``, ``best_of: 1``: what SDKs and frameworks send on every call) changes
+  nothing and is accepted.
+- Sampling: OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's ``top_k``,
+  ``min_p``, ``repetition_penalty``, ``allowed_token_ids``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
+  (``shared/sampling.py`` states their semantics).
 - deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
-  ``speculative``, ``prefill_mode``, ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-  ``cache_salt``, ``timeout_s``.
+  ``speculative``, ``prefill_mode``, ``cache_salt``, ``timeout_s``.
 - ``completion_tokens`` of the usage block is the number of tokens the client received.
 """
 from __future__ import annotations
@@ -23,15 +26,18 @@ from shared.errors import HTTP_STATUS, DeepinferError, ErrorCode, invalid
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
+_NUMBER = (int, float)
 _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": int, "min_tokens": int,
-           "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": (int, float)}
-_UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
-_NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0, "best_of": 1}  # accepted at exactly this value (or null)
+           "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": _NUMBER,
+           "min_p": _NUMBER, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
+           "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list}
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
-          *_EXTRAS, *_UNSUPPORTED_NONZERO}
+          *_EXTRAS}
 _KNOWN_CHAT = {"messages", "max_completion_tokens"}
-_UNSUPPORTED_SET = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix", "echo",
-                    "response_format")
+# not served yet: accepted only at a value that changes nothing (or null); anything else is a 400 naming it
+_NEUTRAL = {"best_of": (1,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+            "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "logprobs": (False,),
+            "top_logprobs": (0,), "echo": (False,), "suffix": ("",)}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
                503: "service_unavailable", 504: "timeout", 500: "server_error"}
@@ -109,19 +115,13 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     """Translate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    for name in sorted(set(body) - _KNOWN - (_KNOWN_CHAT if chat else {"prompt"}) - set(_UNSUPPORTED_SET)):
-        neutral = _NEUTRAL.get(name)
+    for name in sorted(set(body) - _KNOWN - (_KNOWN_CHAT if chat else {"prompt"})):
+        neutral, value = _NEUTRAL.get(name), body[name]
         if neutral is None:
             raise invalid(f"parameter '{name}' is not supported")
-        value = body[name]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != neutral):
-            raise invalid(f"parameter '{name}' is not supported (only {neutral!r}, which changes nothing)")
-    for name in _UNSUPPORTED_SET:
-        if body.get(name) not in (None, False):
-            raise invalid(f"parameter '{name}' is not supported")
-    for name in _UNSUPPORTED_NONZERO:
-        if _get(body, name, (int, float), 0) != 0:
-            raise invalid(f"parameter '{name}' is not supported (must be 0)")
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            shown = " or ".join(repr(v) for v in neutral)
+            raise invalid(f"parameter '{name}' is not supported yet (only {shown}, which changes nothing)")
     if _get(body, "n", int, 1) != 1:
         raise invalid("parameter 'n' must be 1 (send several requests for several completions)")
     model = _get(body, "model", str, "")

@@ -72,8 +72,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise invalid(f"prompt token ids must be integers in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise invalid(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.token_ids_named):
+            raise invalid(f"token ids in stop_token_ids, logit_bias and allowed_token_ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if len(prompt_token_ids) >= self.max_model_len:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "

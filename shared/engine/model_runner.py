@@ -107,13 +107,6 @@ class ModelRunner:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
         return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled
 
-    def _banned(self, req) -> tuple[int, ...]:
-        """EOS and the request's stop ids while it has fewer than ``min_tokens`` output tokens."""
-        p = req.params
-        if not p.min_tokens or len(req.all_token_ids) - len(req.prompt_token_ids) >= p.min_tokens:
-            return ()
-        return (*self._eos, *p.stop_token_ids)
-
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Run one step; return ``{request_id: new tokens}`` for requests that reached a sample point: one
         sampled token, or a speculating request's accepted drafts plus one target token."""
@@ -137,15 +130,18 @@ class ModelRunner:
             k = len(req.spec_token_ids)
             if k:
                 result[req.request_id] = verify(logits[row:row + k + 1], req.spec_token_ids, req.params,
-                                                req.generator)
+                                                req.generator, req.prompt_token_ids,
+                                                req.output_token_ids if req.params.processes_logits else (),
+                                                self._eos)
             else:
                 plain.append(req)
                 plain_rows.append(row)
             row += k + 1
         if plain:
             rows_t = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
-            banned = [self._banned(r) for r in plain]
             tokens = sample(logits[rows_t] if len(plain) < len(sampled) else logits,
-                            [r.params for r in plain], [r.generator for r in plain], banned)
+                            [r.params for r in plain], [r.generator for r in plain],
+                            [r.prompt_token_ids for r in plain],   # histories only where a processor reads them
+                            [r.output_token_ids if r.params.processes_logits else () for r in plain], self._eos)
             result.update({r.request_id: [t] for r, t in zip(plain, tokens)})
         return result

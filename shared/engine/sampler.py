@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Token sampling: logits processors, then greedy or temperature, min-p, top-k, top-p with per-request seeded
+generators.
 
 ``probabilities`` is a pure function (logits → the distribution actually sampled from); speculative
 decoding's rejection sampling uses it so that drafted and plain decoding target the same distribution.
@@ -7,12 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.logits_processors import process
 from shared.sampling import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logits: [V]`` → ``probs: [V]`` float32 after temperature, top-k and top-p (temperature > 0)."""
+    """``logits: [V]`` (processed: ``logits_processors.process``) → ``probs: [V]`` float32 after temperature,
+    min-p, top-k and top-p (temperature > 0)."""
     x = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -26,15 +32,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], banned: list[tuple[int, ...]] | None = None) -> list[int]:
-    """``logits: [S, V]`` → one token id per row. Greedy rows use argmax (ties → lowest id).
-    ``banned[i]``: token ids row ``i`` must not produce (``min_tokens`` not reached yet), masked to -inf."""
-    if banned and any(banned):
-        logits = logits.clone()
-        for i, ids in enumerate(banned):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
+           eos: tuple[int, ...] = ()) -> list[int]:
+    """``logits: [S, V]`` → one token id per row. Row ``i`` follows ``prompts[i] + outputs[i]`` (the histories the
+    logits processors read; None: empty). Greedy rows take the argmax of the processed logits (ties → lowest id)."""
+    empty = [[] for _ in params]
+    logits = process(logits, params, prompts or empty, outputs or empty, eos)
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     tokens = [0] * len(params)
     if greedy_rows:

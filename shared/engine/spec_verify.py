@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.logits_processors import process
 from shared.engine.sampler import probabilities
 from shared.sampling import SamplingParams
 
 
-def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[int]:
-    """``logits: [len(draft) + 1, V]`` → the accepted drafts + one target token (1..len(draft)+1 tokens)."""
+def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator | None,
+           prompt: list[int] = (), output: list[int] = (), eos: tuple[int, ...] = ()) -> list[int]:
+    """``logits: [len(draft) + 1, V]`` → the accepted drafts + one target token (1..len(draft)+1 tokens). Row ``i``
+    is processed (``logits_processors``) as plain decoding would process it: after ``prompt``, ``output`` and
+    the drafts before it."""
     if logits.shape[0] != len(draft) + 1:
         raise ValueError(f"{logits.shape[0]} logit rows for {len(draft)} drafted tokens")
+    if params.processes_logits:
+        histories = [[*output, *draft[:i]] for i in range(len(draft) + 1)]
+        logits = process(logits, [params] * len(histories), [prompt] * len(histories), histories, eos)
     if params.is_greedy:
         target = logits.argmax(-1).tolist()          # ties -> lowest id, as in sampler.sample
         n = 0

@@ -43,7 +43,7 @@ def test_user_salts_the_cache_only_when_configured():
 
 
 @pytest.mark.parametrize("body", [
-    [], {"prompt": "x", "n": 3}, {"prompt": "x", "logprobs": True}, {"prompt": "x", "presence_penalty": 0.5},
+    [], {"prompt": "x", "n": 3}, {"prompt": "x", "logprobs": True}, {"prompt": "x", "presence_penalty": 2.5},
     {"prompt": "x", "temperature": True}, {"prompt": "x", "max_tokens": "5"}, {"prompt": ["a", "b"]},
     {"prompt": []}, {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "top_p": 0.0},
     {"prompt": "x", "retention": 7}, {"prompt": "x", "prefill_mode": "sideways"}, {"prompt": "x", "seed": 1.5},
@@ -54,13 +54,40 @@ def test_bad_completion_bodies_are_invalid_requests(body):
     assert err.value.code == ErrorCode.INVALID_REQUEST and err.value.http_status == 400
 
 
-@pytest.mark.parametrize("extra", [{"min_p": 0.1}, {"tool_choice": "auto"}, {"repetition_penalty": 1.2},
+@pytest.mark.parametrize("extra", [{"min_p": 1.5}, {"tool_choice": "required"}, {"repetition_penalty": 0},
                                    {"best_of": 2}, {"temprature": 0.5}, {"messages": [{"role": "user", "content": "x"}]},
                                    {"min_p": True}, {"repetition_penalty": "1.0"}])
 def test_unknown_or_unhonoured_parameters_are_refused_not_dropped(extra):
     with pytest.raises(DeepinferError) as err:
         parse_call({"prompt": "hi", **extra}, chat=False)
     assert err.value.code is ErrorCode.INVALID_REQUEST and next(iter(extra)) in err.value.message
+
+
+def test_sampling_controls_reach_the_request():
+    body = {"prompt": "hi", "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3,
+            "min_p": 0.05, "logit_bias": {"42": -100, "7": 2.5}, "allowed_token_ids": [1, 7, 42]}
+    s = parse_call(body, chat=False).request.sampling()
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (1.5, -0.5, 1.3, 0.05)
+    assert s.logit_bias == {"42": -100, "7": 2.5} and s.allowed_token_ids == [1, 7, 42] and s.processes_logits
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"logit_bias": {str(i): 1 for i in range(10**6)}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 50}, "top_logprobs")])
+def test_sampling_controls_out_of_bounds_and_features_not_served_yet_are_400s(extra, named):
+    with pytest.raises(DeepinferError) as err:
+        parse_call({"messages": [{"role": "user", "content": "x"}], **extra}, chat=True)
+    assert err.value.http_status == 400 and named in err.value.message
+
+
+def test_neutral_values_that_sdks_and_frameworks_send_are_accepted():
+    # Semantic Kernel sends tool_choice "none"; the openai SDK and LangChain send empty tools, text formats
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": True, "response_format": {"type": "text"}, "logit_bias": {}, "logprobs": False,
+            "top_logprobs": 0, "n": 1}
+    assert not parse_call(body, chat=True).request.sampling().processes_logits
 
 
 def test_neutral_values_that_benchmark_clients_always_send_are_accepted():

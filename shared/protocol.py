@@ -20,6 +20,7 @@ error. On a token stream the error is instead a final ``TokenChunk.from_error(..
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 from shared.errors import DeepinferError, ErrorCode
@@ -29,6 +30,7 @@ from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES
                                      WorkerInfo)
 from shared.protocol_work import (DTYPES, MAX_PROMPT_TOKENS, DecodeLocalRequest, KVHandoff, KVPrecopy,
                                   PrefillRequest)
+from shared.logprobs import Logprobs
 from shared.sampling import Sampling, SamplingParams
 from shared.protocol_cache import (CacheGet, CacheGetReply, CachePut, CacheRelease, StatsReply,
                                    StatsRequest)
@@ -83,6 +85,9 @@ class GenerateRequest(WireModel):
     repetition_penalty: float = 1.0
     logit_bias: dict = wire_field(default_factory=dict)         # token id (decimal string) -> bias
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = wire_field(default_factory=list)
+    logprobs: int | None = None     # top logprobs per generated token (0: only the token's own); None: none
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list)
     stop_token_ids: list[int] = wire_field(default_factory=list)
@@ -124,21 +129,21 @@ class GenerateRequest(WireModel):
         self.sampling()
 
     def sampling(self) -> SamplingParams:
-        """The request's sampling parameters, the value every hop carries (validated: ``invalid_request``)."""
-        return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            speculative=self.speculative)
+        """The request's sampling parameters, the value every hop carries (validated: ``invalid_request``):
+        every ``Sampling`` field this request names (``prefill_only`` is the router's, not the client's)."""
+        return SamplingParams(**{name: getattr(self, name) for name in _CLIENT_SAMPLING_FIELDS})
+
+
+_CLIENT_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling)
+                                if f.name in {g.name for g in dataclasses.fields(GenerateRequest)})
 
 
 @wire_message(MAX_CHUNK_BYTES)
 class TokenChunk(WireModel):
     """One piece of a token stream. ``seq`` counts 0, 1, 2, ... per request; exactly the last chunk is
     ``final`` and only it carries ``finish_reason``, ``usage`` (prompt_tokens, cached_tokens,
-    completion_tokens, ttft_ms, tpot_ms) or ``error`` ({"code", "message"})."""
+    completion_tokens, ttft_ms, tpot_ms) or ``error`` ({"code", "message"}). Log-probabilities, where the
+    request asked for them: ``shared/logprobs.py``."""
     request_id: str
     seq: int
     token_ids: list[int]
@@ -147,9 +152,13 @@ class TokenChunk(WireModel):
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    logprobs: Logprobs | None = None          # Sampling.logprobs: one entry per token of token_ids
+    prompt_logprobs: Logprobs | None = None   # Sampling.prompt_logprobs: on the stream's first chunk only
 
     def _check(self) -> None:
         check_range("seq", self.seq, 0)
+        require(self.logprobs is None or len(self.logprobs) == len(self.token_ids),
+                "field 'logprobs': one entry per token of token_ids")
         check_tokens("token_ids", self.token_ids, allow_empty=True)
         require(self.final or (self.finish_reason is None and self.usage is None and self.error is None),
                  "field 'final': finish_reason, usage and error are only allowed on the final chunk")

@@ -17,6 +17,9 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024            # entries of logit_bias (OpenAI allows 300; vLLM sets no bound)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary
+MAX_BAD_WORDS = 128              # bad_words strings, and bad_words_token_ids sequences
+MAX_BAD_WORD_TOKENS = 64         # tokens of one bad word
+MAX_LOGPROBS = 20                # top logprobs per position (OpenAI's bound)
 
 
 @wire_message(64 * 1024)
@@ -41,8 +44,15 @@ class Sampling(WireModel):
     positive logit, multiplies a negative one, of every token in prompt + output (HF's and vLLM's rule);
     ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]) subtract ``f * count + p * (count > 0)``, count over
     the output tokens only. ``min_p`` (in [0, 1]) drops tokens whose probability after temperature is below
-    ``min_p`` times the top token's. Their state is the token history itself, so it is exact wherever a stream
-    moves (hand-off, failover, migration, resume).
+    ``min_p`` times the top token's. ``bad_words`` (vLLM's rule): each word is tokenized as written and with one
+    leading space (the engine does it, with its tokenizer, into ``bad_words_token_ids``); a one-token word is
+    never sampled, a longer one's last token is banned when the output ends with the rest of it. Their state is
+    the token history itself, so it is exact wherever a stream moves (hand-off, failover, migration, resume).
+
+    ``logprobs`` (None: off; 0..20) reports each generated token's log-probability and its position's top
+    ``logprobs`` alternatives; ``prompt_logprobs`` the same for every prompt token after the first, on the first
+    output (a request with it reuses no cached prefix: every prompt position is computed). Both are taken from
+    the raw model distribution (``shared/logprobs.py``).
     """
 
     max_tokens: int = 256
@@ -55,6 +65,10 @@ class Sampling(WireModel):
     repetition_penalty: float = 1.0
     logit_bias: dict = wire_field(default_factory=dict)
     allowed_token_ids: list[int] | None = wire_field(default=None, max_len=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] = wire_field(default_factory=list, max_len=MAX_BAD_WORDS)
+    bad_words_token_ids: list[list[int]] = wire_field(default_factory=list, max_len=2 * MAX_BAD_WORDS)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
@@ -83,6 +97,15 @@ class Sampling(WireModel):
         if self.allowed_token_ids is not None and (not self.allowed_token_ids
                                                    or any(t < 0 for t in self.allowed_token_ids)):
             raise invalid("allowed_token_ids must be a non-empty list of non-negative token ids (or absent)")
+        if any(not w.strip() or len(w) > MAX_STOP_STRING_LEN for w in self.bad_words):
+            raise invalid(f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most "
+                          f"{MAX_STOP_STRING_LEN} characters")
+        if any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS or any(t < 0 for t in w) for w in self.bad_words_token_ids):
+            raise invalid(f"bad_words_token_ids must be lists of 1 to {MAX_BAD_WORD_TOKENS} non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise invalid(f"{name} must be in [0, {MAX_LOGPROBS}] (or absent), got {value!r}")
         if self.top_k < -1:
             raise invalid(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -106,13 +129,15 @@ class Sampling(WireModel):
     def token_ids_named(self) -> list[int]:
         """Every token id the request names (stop tokens, biased and allowed ids): what ``validate`` bounds by the
         vocabulary."""
-        return [*self.stop_token_ids, *map(int, self.logit_bias), *(self.allowed_token_ids or ())]
+        return [*self.stop_token_ids, *map(int, self.logit_bias), *(self.allowed_token_ids or ()),
+                *(t for word in self.bad_words_token_ids for t in word)]
 
     @property
     def processes_logits(self) -> bool:
         """Whether any logits processor is on (``shared/engine/logits_processors.py``); off, the sampler skips them."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.repetition_penalty != 1.0
-                    or self.presence_penalty or self.frequency_penalty or self.min_tokens)
+                    or self.presence_penalty or self.frequency_penalty or self.min_tokens
+                    or self.bad_words_token_ids or self.bad_words)
 
     @property
     def is_greedy(self) -> bool:

@@ -2,8 +2,9 @@
 the registry of message types and ``encode`` / ``decode`` (msgpack). Messages live in ``shared.protocol``.
 
 Supported annotations: ``int``, ``float`` (an ``int`` is accepted and stored as ``float``), ``str``, ``bool``,
-``bytes``, ``list[int]``, ``list[float]``, ``list[str]``, ``list[dict]``, ``dict`` / ``dict[str, Any]``, ``Any``,
-``X | None`` / ``Optional[X]`` and nested ``WireModel`` dataclasses (given as an instance or a mapping).
+``bytes``, ``list[int]``, ``list[float]``, ``list[str]``, ``list[dict]``, ``list[list[int]]``,
+``list[list[float]]``, ``dict`` / ``dict[str, Any]``, ``Any``, ``X | None`` / ``Optional[X]`` and nested
+``WireModel`` dataclasses (given as an instance or a mapping).
 
 Invariants enforced for every ``WireModel`` on construction (so on decode too):
 - ``bool`` is never accepted where ``int`` or ``float`` is expected, and ints fit msgpack's range
@@ -155,7 +156,7 @@ def _compile(tp: Any, max_len: int) -> Checker:
         if len(rest) != 1 or len(args) != 2:
             raise TypeError(f"only Optional[X] unions are supported, got {tp!r}")
         return _optional(_compile(rest[0], max_len))
-    if origin is list and len(args) == 1 and args[0] in (int, float, str, dict):
+    if origin is list and len(args) == 1 and (args[0] in (int, float, str, dict) or args[0] in (list[int], list[float])):
         return _list_checker(args[0], max_len)
     if origin is dict and args and args[0] is str:
         return _check_dict

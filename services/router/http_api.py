@@ -31,6 +31,7 @@ from aiohttp import web
 
 from services.router import openai_api
 from services.router.api_keys import ApiKeys
+from services.router.openai_choice import Choice
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 
@@ -146,16 +147,18 @@ class HttpApi:
             return _error(DeepinferError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON"))
         try:
             call = openai_api.parse_call(body, chat, self.router.config.user_cache_salt)
+            prompt_ids = await self.router.tokenize(call.request) if call.echo or call.logprobs and not chat else None
         except DeepinferError as exc:
             return _error(exc)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = ChunkSink()
         req = dataclasses.replace(call.request, request_id=rid)
+        choice = Choice(call, prompt_ids, self.router.tokenizer)
         task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
         try:
             if call.stream:
-                return await self._stream(request, call, rid, sink, task)
-            return await self._collect(call, rid, sink, task)
+                return await self._stream(request, call, rid, sink, task, choice)
+            return await self._collect(call, rid, sink, task, choice)
         finally:
             sink.close()
             if not task.done():  # client gone (handler cancelled) or a write failed: stop the request
@@ -184,17 +187,18 @@ class HttpApi:
         task.result()  # re-raise what ended it
         raise DeepinferError(ErrorCode.INTERNAL, "the request ended without a final chunk")
 
-    async def _collect(self, call, rid, sink, task) -> web.Response:
-        text, chunk = [], None
+    async def _collect(self, call, rid, sink, task, choice: Choice) -> web.Response:
+        chunk = None
         while chunk is None or not chunk.final:
             chunk = await self._next(sink, task)
-            text.append(chunk.text)
+            if chunk.error is None:
+                choice.piece(chunk)
         if (err := openai_api.chunk_error(chunk)) is not None:
             return _error(err)
-        return web.json_response(openai_api.full_response(call, rid, "".join(text), chunk.finish_reason,
-                                                          chunk.usage))
+        return web.json_response(openai_api.full_response(call, rid, choice.text, chunk.finish_reason,
+                                                          choice.usage(chunk.usage), choice.logprobs()))
 
-    async def _stream(self, request, call, rid, sink, task) -> web.StreamResponse:
+    async def _stream(self, request, call, rid, sink, task, choice: Choice) -> web.StreamResponse:
         chunk = await self._next(sink, task)
         if chunk.final and (err := openai_api.chunk_error(chunk)) is not None:
             return _error(err)
@@ -207,7 +211,9 @@ class HttpApi:
             if err is not None:
                 await _sse(request, response, openai_api.error_body(err)[1])
             else:
-                for event in openai_api.stream_events(call, rid, created, chunk, first):
+                text, logprobs = choice.piece(chunk)
+                chunk = dataclasses.replace(chunk, usage=choice.usage(chunk.usage))
+                for event in openai_api.stream_events(call, rid, created, chunk, first, logprobs, text):
                     await _sse(request, response, event)
             first = False
             if chunk.final:

@@ -3,14 +3,19 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour yet (``n`` > 1, ``logprobs``, tools, ``response_format`` other than text, non-text content) are
+  cannot honour yet (``n`` > 1, tools, ``response_format`` other than text, non-text content) are
   rejected, never ignored, and so are parameters we do not know (a typo): a client must not believe a setting
   took effect. A parameter at its neutral value (``tools: []``, ``tool_choice: "none"``, ``response_format:
   {"type": "text"}``, ``logprobs: false``, ``best_of: 1``: what SDKs and frameworks send on every call) changes
   nothing and is accepted.
 - Sampling: OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's ``top_k``,
-  ``min_p``, ``repetition_penalty``, ``allowed_token_ids``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
+  ``min_p``, ``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``ignore_eos``,
+  ``stop_token_ids``
   (``shared/sampling.py`` states their semantics).
+- Log-probabilities: chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` (0..20) and ``echo`` (the
+  prompt's text, and with ``logprobs`` its tokens' logprobs, before the completion; ``max_tokens: 0`` with
+  ``echo`` scores the prompt alone) and vLLM's ``prompt_logprobs`` (completions only); values from the raw model distribution
+  (``shared/logprobs.py``), shapes in ``openai_logprobs``.
 - deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
   ``speculative``, ``prefill_mode``, ``cache_salt``, ``timeout_s``.
 - ``completion_tokens`` of the usage block is the number of tokens the client received.
@@ -23,6 +28,7 @@ from typing import Any
 
 from shared import protocol
 from shared.errors import HTTP_STATUS, DeepinferError, ErrorCode, invalid
+from shared.sampling import MAX_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
@@ -30,14 +36,16 @@ _NUMBER = (int, float)
 _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": int, "min_tokens": int,
            "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": _NUMBER,
            "min_p": _NUMBER, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
-           "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list}
+           "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list,
+           "bad_words": list}
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
-          *_EXTRAS}
-_KNOWN_CHAT = {"messages", "max_completion_tokens"}
+          "logprobs", *_EXTRAS}
+_KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
+_KNOWN_COMPLETIONS = {"prompt", "echo", "prompt_logprobs"}
 # not served yet: accepted only at a value that changes nothing (or null); anything else is a 400 naming it
 _NEUTRAL = {"best_of": (1,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-            "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "logprobs": (False,),
-            "top_logprobs": (0,), "echo": (False,), "suffix": ("",)}
+            "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "echo": (False,), "top_logprobs": (0,),
+            "suffix": ("",)}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
                503: "service_unavailable", 504: "timeout", 500: "server_error"}
@@ -52,6 +60,9 @@ class ApiCall:
     include_usage: bool
     model: str  # echoed in responses
     user: str
+    logprobs: bool = False   # answer with logprobs (chat: logprobs true; completions: logprobs set)
+    echo: bool = False       # completions: the prompt's text (and logprobs) before the completion
+    prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not shown
 
 
 def _get(body: dict, name: str, kinds, default=None):
@@ -115,7 +126,7 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     """Translate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    for name in sorted(set(body) - _KNOWN - (_KNOWN_CHAT if chat else {"prompt"})):
+    for name in sorted(set(body) - _KNOWN - (_KNOWN_CHAT if chat else _KNOWN_COMPLETIONS)):
         neutral, value = _NEUTRAL.get(name), body[name]
         if neutral is None:
             raise invalid(f"parameter '{name}' is not supported")
@@ -128,6 +139,8 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     default_max = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
     max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", int, default_max)
+    prompt_only = not chat and max_tokens == 0 and _get(body, "echo", bool, False)
+    max_tokens = 1 if prompt_only else max_tokens
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     user = _get(body, "user", str, "")
@@ -138,11 +151,45 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
             fields[name] = value
     if user_cache_salt and user and "cache_salt" not in fields:
         fields["cache_salt"] = user
+    logprobs, echo = _logprobs(body, chat, fields), bool(not chat and _get(body, "echo", bool, False))
+    if echo and logprobs:
+        fields.setdefault("prompt_logprobs", fields["logprobs"])   # echo + logprobs: the prompt's too (vLLM)
+    if fields.get("prompt_logprobs") is not None:
+        logprobs = True
     request = protocol.GenerateRequest(
         model=model, max_tokens=max_tokens, temperature=float(_get(body, "temperature", (int, float), 1.0)),
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
         stop=_stop(body), **fields)
-    return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user)
+    return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
+                   prompt_only)
+
+
+def _logprobs(body: dict, chat: bool, fields: dict) -> bool:
+    """Chat's ``logprobs`` (bool) + ``top_logprobs`` (0..20), or completions' ``logprobs`` (int 0..20), into
+    ``fields["logprobs"]``; vLLM's ``prompt_logprobs`` (int) too. Whether the answer carries logprobs."""
+    if chat:
+        top = _get(body, "top_logprobs", int, None)
+        if not _get(body, "logprobs", bool, False):
+            if top:
+                raise invalid("parameter 'top_logprobs' needs 'logprobs': true")
+            return False
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid(f"parameter 'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+        fields["logprobs"] = top or 0
+    else:
+        count = _get(body, "logprobs", int, None)
+        if count is None:
+            pass
+        elif not 0 <= count <= MAX_LOGPROBS:
+            raise invalid(f"parameter 'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {count}")
+        else:
+            fields["logprobs"] = count
+    prompt = _get(body, "prompt_logprobs", int, None)
+    if prompt is not None:
+        if not 0 <= prompt <= MAX_LOGPROBS:
+            raise invalid(f"parameter 'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {prompt}")
+        fields["prompt_logprobs"] = prompt
+    return "logprobs" in fields
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -159,22 +206,26 @@ def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": call.model}
 
 
-def full_response(call: ApiCall, rid: str, text: str, finish_reason: str | None, usage: dict | None) -> dict:
-    """The non-streaming answer."""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def full_response(call: ApiCall, rid: str, text: str, finish_reason: str | None, usage: dict | None,
+                  logprobs: dict | None = None) -> dict:
+    """The non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``)."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                "finish_reason": finish_reason} if call.chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+              {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
     return {**_head(call, rid, int(time.time()), False), "choices": [choice], "usage": usage_block(usage)}
 
 
-def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool) -> list[dict]:
-    """SSE payloads for one token chunk (the caller appends ``[DONE]`` after the final one)."""
+def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool,
+                  logprobs: dict | None = None, text: str | None = None) -> list[dict]:
+    """SSE payloads for one token chunk (the caller appends ``[DONE]`` after the final one); ``logprobs`` in the
+    API's shape, ``text`` when it is not the chunk's own (an echoed prompt before it)."""
     finish = chunk.finish_reason if chunk.final else None
+    text = chunk.text if text is None else text
     if call.chat:
-        delta: dict = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     events = [{**_head(call, rid, created, True), "choices": [choice]}]
     if chunk.final and call.include_usage:
         events.append({**_head(call, rid, created, True), "choices": [], "usage": usage_block(chunk.usage)})

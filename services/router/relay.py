@@ -147,7 +147,7 @@ class Relay:
                     request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
                     usage=stream.whole_usage({}, len(stream.delivered), attempt)))
                 return
-            params = dataclasses.replace(params, max_tokens=left,
+            params = dataclasses.replace(params, max_tokens=left, prompt_logprobs=None,   # the client has them
                                          min_tokens=max(0, params.min_tokens - len(stream.delivered)))
             prompt = prompt + stream.delivered
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which

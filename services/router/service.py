@@ -228,7 +228,7 @@ class RouterService(Service):
         try:
             self._check_model(req.model)
             req = dataclasses.replace(req, retention=self._retention(req), cache_salt=tenant_salt(req, tenant))
-            prompt = await self._tokenize(req)
+            prompt = await self.tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
             async with self.gate.slot(tenant or "", stream.deadline):
@@ -275,7 +275,8 @@ class RouterService(Service):
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id, role="router",
                                                               stats=stats)))
 
-    async def _tokenize(self, req: protocol.GenerateRequest) -> list[int]:
+    async def tokenize(self, req: protocol.GenerateRequest) -> list[int]:
+        """The request's prompt token ids (chat template applied); long prompts off the event loop."""
         size = len(req.prompt or "") + sum(len(m.get("content", "")) for m in req.messages or ())
         if size > THREAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(prompt_token_ids, self.tokenizer, req)

@@ -219,7 +219,7 @@ class Worker(TierMixin, Service):
                              spec_accepted_tokens=out.num_accepted_tokens)
         chunk = protocol.TokenChunk(request_id=out.request_id, seq=seq, token_ids=list(out.new_token_ids),
                                     text=out.new_text, final=out.finished, finish_reason=out.finish_reason,
-                                    usage=usage)
+                                    usage=usage, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
         await self.nc.publish(reply_to, protocol.encode(chunk))
         self.metrics.output(out.request_id, seq, len(out.new_token_ids), out.finish_reason if out.finished else None,
                             out.tpot)

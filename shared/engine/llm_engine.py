@@ -6,6 +6,8 @@ disturbs requests already running.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -16,12 +18,14 @@ from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import build_kv_manager
 from shared.engine.kv_manager import KVManager
 from shared.engine.kv_port import KVPort
+from shared.engine.logits_processors import tokenize_bad_words
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request, RequestStatus
 from shared.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, Logprobs
 from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import LlamaModel
 
@@ -74,6 +78,11 @@ class LLMEngine:
             raise invalid(f"prompt token ids must be integers in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.token_ids_named):
             raise invalid(f"token ids in stop_token_ids, logit_bias and allowed_token_ids must be in [0, {vocab})")
+        if params.prompt_logprobs is not None and len(prompt_token_ids) * (1 + params.prompt_logprobs) > \
+                MAX_PROMPT_LOGPROB_ENTRIES:
+            raise invalid(f"prompt_logprobs: {len(prompt_token_ids)} prompt tokens x {1 + params.prompt_logprobs} "
+                          f"entries exceed {MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer top logprobs or a shorter "
+                          "prompt")
         total = len(prompt_token_ids) + params.max_tokens
         if len(prompt_token_ids) >= self.max_model_len:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(prompt_token_ids)} tokens; "
@@ -90,6 +99,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
+        params = self.resolve(params)
         self.validate(prompt_token_ids, params)
         req = self.new_request(request_id, prompt_token_ids, params, cache_salt)
         req.hold_kv = hold_kv
@@ -102,11 +112,23 @@ class LLMEngine:
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str = "") -> Request:
         """A request object of this engine (its block size, fingerprint and detokenizer); not queued."""
-        req = Request(request_id, prompt_token_ids, params, block_size=self.config.block_size,
+        req = Request(request_id, prompt_token_ids, self.resolve(params), block_size=self.config.block_size,
                       model_fingerprint=self.fingerprint, cache_salt=cache_salt)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder()
         return req
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` tokenized into ``bad_words_token_ids`` by this engine's tokenizer
+        (``logits_processors.tokenize_bad_words``); idempotent, so every hop may call it."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise invalid("bad_words needs the model's tokenizer; this engine has none (send bad_words_token_ids)")
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        words = [*params.bad_words_token_ids, *tokenize_bad_words(params.bad_words, encode)]
+        unique = list(dict.fromkeys(map(tuple, words)))
+        return dataclasses.replace(params, bad_words=[], bad_words_token_ids=[list(w) for w in unique])
 
     def is_stop_token(self, token: int, params: SamplingParams) -> bool:
         """The stop-token rule: an EOS token (unless ``ignore_eos``) or one of ``stop_token_ids``; a stop token
@@ -164,22 +186,24 @@ class LLMEngine:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             drafted = len(req.spec_token_ids)
-            if req.request_id in sampled:
-                tokens = sampled[req.request_id]
+            if req.request_id in sampled.tokens:
+                tokens = sampled.tokens[req.request_id]
                 if drafted:  # rejected drafts: their KV is void and their blocks go back
                     verified = True
                     req.num_computed_tokens -= drafted - (len(tokens) - 1)
                     self.speculator.verified(req, drafted, len(tokens) - 1)
                     self.block_manager.trim(req.request_id, req.num_computed_tokens)
                 req.spec_token_ids, req.spec_features = [], []
-                outputs.append(self._append(req, tokens, now))
+                outputs.append(self._append(req, tokens, now, sampled.logprobs.get(req.request_id)))
         if verified:
             self.speculator.counters.steps += 1
         return outputs
 
-    def _append(self, req: Request, tokens: list[int], now: float) -> RequestOutput:
-        """Append this step's tokens (one, or accepted drafts + one) until a stop rule ends the request."""
+    def _append(self, req: Request, tokens: list[int], now: float, logprobs: Logprobs | None) -> RequestOutput:
+        """Append this step's tokens (one, or accepted drafts + one) until a stop rule ends the request; the
+        request's first output carries its prompt logprobs."""
         text = ""
+        prompt_logprobs = req.prompt_logprobs if req.num_output_tokens == 0 else None
         for i, token in enumerate(tokens):
             piece, reason = self._append_one(req, token, now)
             text += piece
@@ -190,8 +214,11 @@ class LLMEngine:
                 if req.detokenizer is not None and reason == "length":
                     text += req.detokenizer.flush()  # bytes held back waiting for a UTF-8 continuation
                 # "prefilled" flushes nothing: the stream goes on in the decode worker, which gets the same bytes
-                return self._finish(req, reason, tokens[:i + 1], text)
-        return RequestOutput(req.request_id, list(tokens), text, False)
+                out = self._finish(req, reason, tokens[:i + 1], text)
+                out.logprobs, out.prompt_logprobs = logprobs and logprobs.head(i + 1), prompt_logprobs
+                return out
+        return RequestOutput(req.request_id, list(tokens), text, False, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
 
     def _append_one(self, req: Request, token: int, now: float) -> tuple[str, str | None]:
         """Append one token; ``(its text, finish reason or None)``."""

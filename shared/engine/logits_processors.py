@@ -8,7 +8,8 @@ before it). In vLLM's order (``shared/sampling.py`` states each rule):
 2. ``min_tokens``: EOS and ``stop_token_ids`` -> -inf while fewer than ``min_tokens`` tokens were generated;
 3. ``logit_bias``: added;
 4. ``repetition_penalty`` over prompt + output tokens, then ``frequency_penalty`` and ``presence_penalty`` over
-   output tokens (OpenAI's formula ``logit - f * count - p * (count > 0)``).
+   output tokens (OpenAI's formula ``logit - f * count - p * (count > 0)``);
+5. ``bad_words_token_ids``: a word's last token -> -inf where the output ends with the word's other tokens.
 
 Invariants: every operation is a tensor op over the rows that need it (counts by ``scatter_add_``, masks by
 ``scatter_``), never a Python loop over the vocabulary; rows whose request processes nothing are returned
@@ -42,6 +43,31 @@ def _counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torc
     ids, valid = _padded(seqs, device)
     counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
     return counts.scatter_add_(1, ids, valid.float())
+
+
+def tokenize_bad_words(words: Sequence[str], encode) -> list[list[int]]:
+    """vLLM's rule: each word as written (leading spaces dropped), and with one leading space where that makes a
+    different first token of the same length (a word inside text); ``encode(text) -> ids`` without specials."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if bare:
+            out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return out
+
+
+def bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens ``words`` forbid next after ``output``: each word's last token when the output ends with the
+    word's other tokens (a one-token word: always). A loop over the request's words, not the vocabulary."""
+    bans = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and list(output[len(output) - head:]) == list(word[:head])):
+            bans.append(word[-1])
+    return bans
 
 
 def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
@@ -89,6 +115,15 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
         freq = torch.tensor([ps[j].frequency_penalty for j in counted], device=device).unsqueeze(1)
         pres = torch.tensor([ps[j].presence_penalty for j in counted], device=device).unsqueeze(1)
         sub[counted] = sub[counted] - freq * counts - pres * (counts > 0).float()
+
+    banned = [(j, bad_word_bans(ps[j].bad_words_token_ids, outputs[rows[j]])) for j, p in enumerate(ps)
+              if p.bad_words_token_ids]
+    banned = [(j, ids) for j, ids in banned if ids]
+    if banned:
+        ids, valid = _padded([ids for _, ids in banned], device)
+        ban = torch.zeros(len(banned), vocab, dtype=torch.bool, device=device).scatter_(1, ids, valid)
+        at = [j for j, _ in banned]
+        sub[at] = sub[at].masked_fill(ban, neg_inf)
 
     out = logits.float().clone()
     out[torch.tensor(rows, dtype=torch.long, device=device)] = sub

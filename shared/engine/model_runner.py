@@ -9,6 +9,8 @@ of their known tokens (``ScheduledRequest.samples``): one row, or the ``k + 1`` 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -20,7 +22,15 @@ from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
+from shared.logprobs import Logprobs, of_tokens
 from shared.model.llama import LlamaModel
+
+
+class Sampled(NamedTuple):
+    """One step's samples: ``tokens[request_id]`` its new tokens; ``logprobs[request_id]`` theirs, for requests
+    with ``Sampling.logprobs``."""
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, Logprobs]
 
 
 def _decode_like(s) -> bool:
@@ -66,6 +76,7 @@ class ModelRunner:
         prefills: list[list[PrefillChunk]] = [[] for _ in range(ngroups)]
         logits_rows: list[int] = []
         sampled: list = []
+        scored: list[tuple] = []   # (request, first prompt entry, rows): prompt logprobs this step
         for s in ordered:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             pos = np.arange(start, start + n, dtype=np.int64)
@@ -88,6 +99,12 @@ class ModelRunner:
                 k = len(req.spec_token_ids)
                 logits_rows.extend(range(row0 + n - 1 - k, row0 + n))
                 sampled.append(req)
+            lps = req.prompt_logprobs
+            if lps is not None and req.num_output_tokens == 0:
+                # entry e scores prompt token e + 1 from position e's logits; a recompute skips scored ones
+                first, end = max(start, len(lps)), min(start + n, req.num_prompt_tokens - 1)
+                if first < end:
+                    scored.append((req, first, range(row0 + first - start, row0 + end - start)))
         metas = []
         for g in range(ngroups):
             width = max((len(t) for t in decode_tables[g]), default=0)
@@ -104,17 +121,23 @@ class ModelRunner:
                 if self._cascade and self.graphs is None and g == 0 else None))
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
+        num_sample_rows = len(logits_rows)
+        for _, _, score_rows in scored:
+            logits_rows.extend(score_rows)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled
+        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled, scored, num_sample_rows
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one step; return ``{request_id: new tokens}`` for requests that reached a sample point: one
-        sampled token, or a speculating request's accepted drafts plus one target token."""
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        """Run one step; ``Sampled.tokens``: ``{request_id: new tokens}`` for requests that reached a sample point
+        (one sampled token, or a speculating request's accepted drafts plus one target token), with their
+        ``logprobs`` where asked; prompt logprobs are appended to the requests' ``prompt_logprobs``."""
+        result = Sampled({}, {})
         if not out.scheduled:
-            return {}
-        input_ids, positions, meta, rows, sampled = self._prepare(out)
+            return result
+        input_ids, positions, meta, rows, sampled, scored, num_sample_rows = self._prepare(out)
         m = meta[0] if isinstance(meta, list) else meta
-        if (self.graphs is not None and not m.prefills and len(rows) == m.num_decode <= self.graphs.max_batch
+        if (self.graphs is not None and not m.prefills and not scored
+                and len(rows) == m.num_decode <= self.graphs.max_batch
                 and m.decode_block_tables.shape[1] <= self.graphs.max_blocks):
             # pure decode (drafts being verified included): every row's logits, in row order
             metas = meta if isinstance(meta, list) else [meta]
@@ -122,14 +145,22 @@ class ModelRunner:
                                      [g.decode_block_tables for g in metas], m.decode_context_lens)
         else:
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
+        row = num_sample_rows
+        for req, first, score_rows in scored:    # rows after the sample rows, in order
+            targets = req.prompt_token_ids[first + 1:first + 1 + len(score_rows)]
+            req.prompt_logprobs.extend(of_tokens(logits[row:row + len(score_rows)], targets,
+                                                 req.params.prompt_logprobs))
+            row += len(score_rows)
         if not sampled:
-            return {}
-        result: dict[str, list[int]] = {}
-        plain, plain_rows, row = [], [], 0
+            return result
+        logits = logits[:num_sample_rows]
+        tokens_of: dict[str, list[int]] = result.tokens
+        plain, plain_rows, row, first_row = [], [], 0, {}
         for req in sampled:
             k = len(req.spec_token_ids)
+            first_row[req.request_id] = row
             if k:
-                result[req.request_id] = verify(logits[row:row + k + 1], req.spec_token_ids, req.params,
+                tokens_of[req.request_id] = verify(logits[row:row + k + 1], req.spec_token_ids, req.params,
                                                 req.generator, req.prompt_token_ids,
                                                 req.output_token_ids if req.params.processes_logits else (),
                                                 self._eos)
@@ -143,5 +174,9 @@ class ModelRunner:
                             [r.params for r in plain], [r.generator for r in plain],
                             [r.prompt_token_ids for r in plain],   # histories only where a processor reads them
                             [r.output_token_ids if r.params.processes_logits else () for r in plain], self._eos)
-            result.update({r.request_id: [t] for r, t in zip(plain, tokens)})
+            tokens_of.update({r.request_id: [t] for r, t in zip(plain, tokens)})
+        for req in sampled:
+            if req.params.logprobs is not None:
+                got, row = tokens_of[req.request_id], first_row[req.request_id]
+                result.logprobs[req.request_id] = of_tokens(logits[row:row + len(got)], got, req.params.logprobs)
         return result

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.logprobs import Logprobs
+
 
 @dataclass(slots=True)
 class RequestOutput:
     """Incremental: ``new_token_ids``/``new_text`` are what this step produced. On the final output
-    ``finished`` is True, ``finish_reason`` is "stop" | "length" | "abort", and the usage fields are set."""
+    ``finished`` is True, ``finish_reason`` is "stop" | "length" | "abort", and the usage fields are set.
+    ``logprobs``: one entry per new token (``Sampling.logprobs``); ``prompt_logprobs``: on the first output only,
+    one entry per prompt token after the first (``Sampling.prompt_logprobs``)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -22,3 +26,5 @@ class RequestOutput:
     num_spec_steps: int = 0  # speculative decoding: proposals verified, drafted tokens verified, accepted
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.logprobs import Logprobs
 from shared.sampling import SamplingParams
 from shared.kv.block_hash import block_key, chain_digests
 
@@ -52,7 +53,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
-                 "spec_features")
+                 "spec_features", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
@@ -76,6 +77,8 @@ class Request:
         self.window_pin: int | None = None  # SWA-aware KV keeps the window its prefill left (hybrid_kv.py)
         self.spec_token_ids: list[int] = []  # drafted tokens verified this step (after all_token_ids)
         self.spec_features: list = []  # their TokenFeatures (acceptance log)
+        # Sampling.prompt_logprobs: entries of prompt tokens 1.. scored so far (filled by the prefill chunks)
+        self.prompt_logprobs: Logprobs | None = None if params.prompt_logprobs is None else Logprobs()
         self.update_block_hashes()
 
     @property

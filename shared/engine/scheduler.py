@@ -121,7 +121,9 @@ class Scheduler:
         now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.bm.get_computed_blocks(req)
+            # prompt logprobs need every prompt position's logits: no cached prefix
+            hits, num_cached = (([], 0) if req.params.prompt_logprobs is not None
+                                else self.bm.get_computed_blocks(req))
             num_new = min(req.num_tokens - num_cached, budget)
             if self.bm.allocate_slots(req, num_new, hits) is None:
                 break

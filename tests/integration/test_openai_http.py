@@ -94,7 +94,7 @@ async def test_bad_input_gets_openai_errors_with_status(nats_server, folder):
             ("/v1/completions", {"prompt": "x", "n": 2}, None, 400),
             ("/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400),
             ("/v1/completions", {"prompt": ["a", "b"]}, None, 400),
-            ("/v1/completions", {"prompt": "x", "logprobs": 3}, None, 400),
+            ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, 400),
             ("/v1/completions", {"prompt": "x", "cache_salt": "t/beta"}, None, 400),
             ("/v1/chat/completions", {"messages": []}, None, 400),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400),

@@ -57,3 +57,24 @@ def test_greedy_continuations(ours, prompt, continuation):
     engine = LLMEngine(model, EngineConfig(), tokenizer)
     ids = engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0))[0]
     assert tokenizer.decode(ids).startswith(continuation)
+
+
+def test_logprobs_match_hf_transformers(ours, hf_model):
+    """``logprobs`` and ``prompt_logprobs`` (the raw model distribution) equal HF's log_softmax within 1e-4."""
+    model, tokenizer = ours
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=16), tokenizer)   # chunked prompt scoring
+    ids = tokenizer.encode(PROMPTS[1])
+    rid = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0, logprobs=5, prompt_logprobs=5))
+    tokens, lps, prompt_lps = [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+            lps += out.logprobs.token_logprobs
+            prompt_lps = prompt_lps or out.prompt_logprobs
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids + tokens])).logits[0].float(), -1)   # [T, V]
+    want = [expected[i, t].item() for i, t in enumerate((ids + tokens)[1:])]
+    got = prompt_lps.token_logprobs + lps           # every token after the first, from the position before it
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert prompt_lps.top_ids[0] == expected[0].topk(5).indices.tolist()

@@ -12,7 +12,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.logits_processors import process
+from shared.engine.logits_processors import bad_word_bans, process, tokenize_bad_words
 from shared.engine.sampler import probabilities
 from shared.engine.speculator import SpecConfig, Speculator
 from shared.engine.spec_verify import verify
@@ -177,3 +177,49 @@ def test_token_ids_out_of_the_vocabulary_are_refused(model):
         with pytest.raises(DeepinferError, match="logit_bias and allowed_token_ids"):
             eng.add_request([1, 2, 3], params)
     assert not eng.has_unfinished()
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest():
+    assert bad_word_bans([[7], [3, 4, 5], [9, 6]], [1, 3, 4]) == [7, 5]     # [9, 6]: the output ends 4, not 9
+    assert bad_word_bans([[3, 4, 5]], [4]) == []                             # too short to end with [3, 4]
+    logits = torch.zeros(2, V)
+    params = [SamplingParams(bad_words_token_ids=[[7], [3, 4, 5]]), SamplingParams(bad_words_token_ids=[[3, 4, 5]])]
+    got = process(logits, params, [[1], [1]], [[3, 4], [4, 4]], eos=())
+    assert torch.isinf(got[0, [7, 5]]).all() and torch.isfinite(got[0]).sum() == V - 2
+    assert torch.isfinite(got[1]).all()                                       # nothing ends with [3, 4] there
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space():
+    from services.router.tokenize import load_tokenizer
+    tok = load_tokenizer(None)                                                # SmolLM2's byte-level BPE
+    encode = lambda text: tok.encode(text, add_special_tokens=False)          # noqa: E731
+    words = tokenize_bad_words(["Paris", " the"], encode)
+    assert words == [encode("Paris"), encode(" Paris"), encode("the"), encode(" the")]
+    assert encode(" Paris")[0] != encode("Paris")[0]
+
+
+def test_greedy_with_bad_words_equals_the_reference_and_never_says_them(model):
+    plain = engine(model).generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    words = [[plain[2]], [plain[5], plain[6]]]                                 # words the plain output says
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, bad_words_token_ids=words)
+    want: list[int] = []
+    for _ in range(params.max_tokens):       # the reference: ban by hand, one full forward per token
+        row = all_logits(model, PROMPTS[0] + want)[-1].float()
+        for word in words:
+            if list(want[len(want) - len(word) + 1:]) == word[:-1] or len(word) == 1:
+                row[word[-1]] = float("-inf")
+        want.append(int(row.argmax()))
+    got = engine(model).generate(PROMPTS[:1], params)[0]
+    assert got == want and got != plain and plain[2] not in got
+    assert all(got[i:i + 2] != words[1] for i in range(len(got) - 1))
+
+
+def test_bad_words_need_the_engines_tokenizer_and_are_resolved_once(tmp_path):
+    from tests.model_factory import write_tiny_hf_folder
+    with pytest.raises(DeepinferError, match="bad_words needs the model's tokenizer"):
+        engine(tiny_model(seed=5)).add_request([1, 2, 3], SamplingParams(bad_words=["hi"]))
+    eng = LLMEngine.from_path(write_tiny_hf_folder(tmp_path / "m"), EngineConfig(block_size=8, num_kv_blocks=64))
+    resolved = eng.resolve(SamplingParams(bad_words=["ing", "in"], bad_words_token_ids=[[5]]))
+    encode = lambda text: eng.tokenizer.encode(text, add_special_tokens=False)   # noqa: E731
+    assert resolved.bad_words == [] and resolved.bad_words_token_ids[:2] == [[5], encode("ing")]
+    assert eng.resolve(resolved) is resolved                                    # idempotent: every hop may call it

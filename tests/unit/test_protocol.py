@@ -20,6 +20,8 @@ SAMPLING = p.Sampling(max_tokens=8, temperature=0.0, seed=3, stop=["\n"])
 
 SAMPLES = {
     "Sampling": SAMPLING,
+    "Logprobs": p.Logprobs(token_logprobs=[-0.5, -1.25], top_ids=[[5, 1], [6, 2]],
+                           top_logprobs=[[-0.5, -2.0], [-1.0, -1.25]]),
     "GenerateRequest": p.GenerateRequest(request_id="r1", model="m", prompt="hello", max_tokens=4, seed=7,
                                          stop=["x"], stop_token_ids=[2], prefill_mode="remote", transport="shm"),
     "TokenChunk": p.TokenChunk(request_id="r1", seq=3, token_ids=[5, 6], text="ab", final=True,

@@ -1,0 +1,85 @@
+"""Log-probabilities in OpenAI's two shapes, from the ``Logprobs`` the workers send (``shared/logprobs.py``).
+
+- Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}``.
+- Completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, each top
+  dict holding the chosen token too (up to ``logprobs + 1`` entries); with ``echo``
+  the prompt's tokens come first, the first of them with ``null`` logprob and ``null`` top logprobs (nothing
+  predicts it), as vLLM and OpenAI's legacy API answer.
+
+A token's text is its own decoding (special tokens shown); ``bytes`` are that text's UTF-8 bytes (a token that
+is part of a multi-byte character decodes to U+FFFD). ``text_offset`` counts characters from the start of the
+choice's text (the echoed prompt included), over the tokens' texts. Pure functions of their inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.logprobs import Logprobs
+
+
+@dataclass(slots=True)
+class LogprobRows:
+    """A choice's tokens in order with their log-probabilities (None: the prompt's first token) and top ids."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+    def add(self, token_ids: list[int], lps: Logprobs) -> None:
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(lps.token_logprobs)
+        self.top.extend(list(zip(ids, values)) for ids, values in zip(lps.top_ids, lps.top_logprobs))
+
+    def add_prompt(self, prompt_ids: list[int], lps: Logprobs | None) -> None:
+        """The prompt's rows: its first token unscored, then one per entry of ``lps`` (None: all unscored)."""
+        self.token_ids.extend(prompt_ids)
+        scored = len(lps) if lps is not None else 0
+        self.logprobs.extend([None] * (len(prompt_ids) - scored))
+        self.top.extend([None] * (len(prompt_ids) - scored))
+        if lps is not None:
+            self.logprobs.extend(lps.token_logprobs)
+            self.top.extend(list(zip(ids, values)) for ids, values in zip(lps.top_ids, lps.top_logprobs))
+
+
+def _text(tokenizer, token_id: int, cache: dict[int, str]) -> str:
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
+
+
+def chat(rows: LogprobRows, tokenizer) -> dict:
+    cache: dict[int, str] = {}
+    content = []
+    for token_id, logprob, top in zip(rows.token_ids, rows.logprobs, rows.top):
+        text = _text(tokenizer, token_id, cache)
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _text(tokenizer, i, cache)), "logprob": v,
+                                          "bytes": list(t.encode())} for i, v in top or ()]})
+    return {"content": content}
+
+
+def completion(rows: LogprobRows, tokenizer, offset: int = 0) -> dict:
+    """``offset``: the characters of the choice's text before these rows (a stream's earlier chunks)."""
+    cache: dict[int, str] = {}
+    tokens, offsets = [], []
+    for token_id in rows.token_ids:
+        text = _text(tokenizer, token_id, cache)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = []
+    for text, logprob, alternatives in zip(tokens, rows.logprobs, rows.top):
+        if alternatives is None:
+            top.append(None)
+            continue
+        entry = {text: logprob}   # the chosen token too, as vLLM and OpenAI's legacy API do
+        for i, v in alternatives:  # most likely first: tokens that decode alike keep the likelier value
+            entry.setdefault(_text(tokenizer, i, cache), v)
+        top.append(entry)
+    return {"tokens": tokens, "token_logprobs": list(rows.logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def text_length(rows: LogprobRows, tokenizer) -> int:
+    """The characters ``completion`` counts over ``rows`` (where a stream's next chunk starts)."""
+    cache: dict[int, str] = {}
+    return sum(len(_text(tokenizer, t, cache)) for t in rows.token_ids)

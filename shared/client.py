@@ -46,6 +46,9 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
     (its router died), the request goes again to the routers' queue group with the tokens received so far
     (``resume_tokens``) and the next seq (``resume_seq``): another router continues after them as after a
     failover, so the caller sees one gap-free stream, each token once (at most ``MAX_RESUMES`` times).
+
+    ``request.n`` > 1: chunks of all choices interleave (``index``, seq per choice) until each choice's final
+    chunk; the first error ends the whole request. Such a stream is not resumed.
     """
     generate_subject = subjects.generate_as(tenant) if tenant else subjects.GENERATE
     cancel_subject = subjects.cancel_as(tenant) if tenant else subjects.CANCEL
@@ -57,10 +60,13 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
     done = False
     received: list[int] = []
     expected, resumes = 0, 0
+    resume = resume and request.n == 1
+    choice_seq = [0] * request.n                 # n > 1: the next seq of each choice; a final ends its choice
+    open_choices = request.n
     try:
         while True:  # one pass per router relaying the stream
             inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox, pending_msgs_limit=request.max_tokens + 16)
+            sub = await nc.subscribe(inbox, pending_msgs_limit=request.n * (request.max_tokens + 16))
             sent = request if not resumes else dataclasses.replace(
                 request, resume_tokens=list(received), resume_seq=expected)
             await nc.publish(generate_subject, protocol.encode(sent), reply=inbox)
@@ -85,6 +91,18 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
                 if isinstance(reply, protocol.ErrorReply):
                     done = True
                     raise reply.to_exception()
+                if request.n > 1:
+                    if not 0 <= reply.index < request.n or reply.seq != choice_seq[reply.index]:
+                        raise DeepinferError(ErrorCode.INTERNAL, f"choice {reply.index}: unexpected seq {reply.seq}")
+                    choice_seq[reply.index] += 1
+                    open_choices -= reply.final
+                    if reply.final:
+                        reply.raise_if_error()
+                    done = open_choices == 0
+                    yield reply
+                    if done:
+                        return
+                    continue
                 if reply.seq != expected:
                     raise DeepinferError(ErrorCode.INTERNAL, f"chunk seq {reply.seq}, expected {expected}")
                 expected += 1
@@ -107,9 +125,21 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
                 await nc.publish(cancel_subject, protocol.encode(protocol.CancelRequest(request_id=request.request_id)))
 
 
+async def generate_choices(nc: nats.NATS, request: protocol.GenerateRequest,
+                           tenant: str | None = None) -> list[tuple[list[int], str, dict]]:
+    """Collect every choice of a request (``n``): ``[(token_ids, text, usage)]`` by index."""
+    ids, texts, usage = ([[] for _ in range(request.n)], [[] for _ in range(request.n)],
+                         [{} for _ in range(request.n)])
+    async for chunk in generate_stream(nc, request, tenant=tenant):
+        ids[chunk.index] += chunk.token_ids
+        texts[chunk.index].append(chunk.text)
+        usage[chunk.index] = chunk.usage or usage[chunk.index]
+    return [(ids[i], "".join(texts[i]), usage[i]) for i in range(request.n)]
+
+
 async def generate(nc: nats.NATS, request: protocol.GenerateRequest,
                    tenant: str | None = None) -> tuple[list[int], str, dict]:
-    """Collect a whole response: ``(token_ids, text, usage)``."""
+    """Collect a whole response of one choice: ``(token_ids, text, usage)``."""
     ids, text, usage = [], [], {}
     async for chunk in generate_stream(nc, request, tenant=tenant):
         ids += chunk.token_ids

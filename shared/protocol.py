@@ -49,6 +49,7 @@ __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CH
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
 MAX_CHAT_MESSAGES = 1000
+MAX_CHOICES = 16                      # GenerateRequest.n
 
 PREFILL_MODES = ("auto", "remote", "local")
 
@@ -103,9 +104,15 @@ class GenerateRequest(WireModel):
     # next chunk must carry; the router continues after them as after a failover
     resume_tokens: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)
     resume_seq: int = 0
+    # n > 1: n sequences of one prompt (choice i seeded seed + i when a seed is given), each its own stream of
+    # chunks with ``index`` i, own seq and own final chunk; the prompt is prefilled once (choices after the first
+    # start when choice 0 has its KV on a decode worker, and find it in the prefix caches). No resume.
+    n: int = 1
 
     def _check(self) -> None:
         check_id("request_id", self.request_id, allow_empty=True)
+        require(1 <= self.n <= MAX_CHOICES, f"field 'n': must be in [1, {MAX_CHOICES}], got {self.n}")
+        require(self.n == 1 or not self.resume_tokens, "field 'n': a resumed stream has one choice")
         check_tokens("resume_tokens", self.resume_tokens, allow_empty=True)
         require(self.resume_seq >= 0 and (self.resume_seq > 0 or not self.resume_tokens),
                  "field 'resume_seq': must be >= 0, and > 0 with resume_tokens")
@@ -152,6 +159,7 @@ class TokenChunk(WireModel):
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    index: int = 0                            # the choice (GenerateRequest.n); seq counts per choice
     logprobs: Logprobs | None = None          # Sampling.logprobs: one entry per token of token_ids
     prompt_logprobs: Logprobs | None = None   # Sampling.prompt_logprobs: on the stream's first chunk only
 

@@ -83,6 +83,7 @@ class PrefillService(Worker):
             return OUTCOME_FINISHED
         await self.publish_output(req.reply_to, 0, dataclasses.replace(final, finished=False, finish_reason=None))
         ids = await self.aengine.call(lambda: eng.kv_port.prompt_block_ids(rid))
+        generator_state = await self.aengine.call(lambda: eng.kv_port.held_generator_state(rid))
         transport = self.transports[req.transport]
         t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
@@ -98,7 +99,7 @@ class PrefillService(Worker):
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
                 retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,
                 deadline_s=deadline - time.monotonic(), router_id=req.router_id, router_instance=req.router_instance,
-                window_mask=mask)
+                window_mask=mask, generator_state=generator_state)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=self.config.handoff_timeout_s)

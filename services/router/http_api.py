@@ -153,12 +153,12 @@ class HttpApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sink = ChunkSink()
         req = dataclasses.replace(call.request, request_id=rid)
-        choice = Choice(call, prompt_ids, self.router.tokenizer)
+        choices = [Choice(call, prompt_ids, self.router.tokenizer) for _ in range(req.n)]
         task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
         try:
             if call.stream:
-                return await self._stream(request, call, rid, sink, task, choice)
-            return await self._collect(call, rid, sink, task, choice)
+                return await self._stream(request, call, rid, sink, task, choices)
+            return await self._collect(call, rid, sink, task, choices)
         finally:
             sink.close()
             if not task.done():  # client gone (handler cancelled) or a write failed: stop the request
@@ -187,37 +187,47 @@ class HttpApi:
         task.result()  # re-raise what ended it
         raise DeepinferError(ErrorCode.INTERNAL, "the request ended without a final chunk")
 
-    async def _collect(self, call, rid, sink, task, choice: Choice) -> web.Response:
-        chunk = None
-        while chunk is None or not chunk.final:
+    async def _collect(self, call, rid, sink, task, choices: list[Choice]) -> web.Response:
+        """Every choice's chunks until each one's final; the first error answers the whole request."""
+        finals: dict[int, protocol.TokenChunk] = {}
+        while len(finals) < len(choices):
             chunk = await self._next(sink, task)
-            if chunk.error is None:
-                choice.piece(chunk)
-        if (err := openai_api.chunk_error(chunk)) is not None:
-            return _error(err)
-        return web.json_response(openai_api.full_response(call, rid, choice.text, chunk.finish_reason,
-                                                          choice.usage(chunk.usage), choice.logprobs()))
+            if (err := openai_api.chunk_error(chunk)) is not None:
+                return _error(err)
+            choices[chunk.index].piece(chunk)
+            if chunk.final:
+                finals[chunk.index] = chunk
+        bodies = [openai_api.choice_body(call, i, c.text, finals[i].finish_reason, c.logprobs())
+                  for i, c in enumerate(choices)]
+        usage = openai_api.merged_usage([c.usage(finals[i].usage) for i, c in enumerate(choices)])
+        return web.json_response(openai_api.full_response(call, rid, bodies, usage))
 
-    async def _stream(self, request, call, rid, sink, task, choice: Choice) -> web.StreamResponse:
+    async def _stream(self, request, call, rid, sink, task, choices: list[Choice]) -> web.StreamResponse:
         chunk = await self._next(sink, task)
         if chunk.final and (err := openai_api.chunk_error(chunk)) is not None:
             return _error(err)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": rid})
         await response.prepare(request)
-        created, first = int(time.time()), True
+        created, started, usages = int(time.time()), set(), {}
         while True:
             err = openai_api.chunk_error(chunk) if chunk.final else None
-            if err is not None:
+            if err is not None:   # the first error ends every choice
                 await _sse(request, response, openai_api.error_body(err)[1])
-            else:
-                text, logprobs = choice.piece(chunk)
-                chunk = dataclasses.replace(chunk, usage=choice.usage(chunk.usage))
-                for event in openai_api.stream_events(call, rid, created, chunk, first, logprobs, text):
-                    await _sse(request, response, event)
-            first = False
-            if chunk.final:
                 break
+            choice = choices[chunk.index]
+            text, logprobs = choice.piece(chunk)
+            for event in openai_api.stream_events(call, rid, created, chunk, chunk.index not in started, logprobs,
+                                                  text):
+                await _sse(request, response, event)
+            started.add(chunk.index)
+            if chunk.final:
+                usages[chunk.index] = choice.usage(chunk.usage)
+                if len(usages) == len(choices):
+                    if call.include_usage:
+                        usage = openai_api.merged_usage([usages[i] for i in range(len(choices))])
+                        await _sse(request, response, openai_api.usage_event(call, rid, created, usage))
+                    break
             chunk = await self._next(sink, task)
         await _write(request, response, b"data: [DONE]\n\n")
         await response.write_eof()

@@ -3,7 +3,7 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour yet (``n`` > 1, tools, ``response_format`` other than text, non-text content) are
+  cannot honour yet (tools, ``response_format`` other than text, non-text content) are
   rejected, never ignored, and so are parameters we do not know (a typo): a client must not believe a setting
   took effect. A parameter at its neutral value (``tools: []``, ``tool_choice: "none"``, ``response_format:
   {"type": "text"}``, ``logprobs: false``, ``best_of: 1``: what SDKs and frameworks send on every call) changes
@@ -12,6 +12,8 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
   ``min_p``, ``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``
   (``shared/sampling.py`` states their semantics).
+- ``n`` (1..16): that many choices, ``index`` 0..n-1 (``services/router/choices.py``); usage counts the prompt
+  once and every choice's completion tokens.
 - Log-probabilities: chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` (0..20) and ``echo`` (the
   prompt's text, and with ``logprobs`` its tokens' logprobs, before the completion; ``max_tokens: 0`` with
   ``echo`` scores the prompt alone) and vLLM's ``prompt_logprobs`` (completions only); values from the raw model distribution
@@ -133,8 +135,9 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
             shown = " or ".join(repr(v) for v in neutral)
             raise invalid(f"parameter '{name}' is not supported yet (only {shown}, which changes nothing)")
-    if _get(body, "n", int, 1) != 1:
-        raise invalid("parameter 'n' must be 1 (send several requests for several completions)")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= protocol.MAX_CHOICES:
+        raise invalid(f"parameter 'n' must be an integer in [1, {protocol.MAX_CHOICES}], got {n}")
     model = _get(body, "model", str, "")
     default_max = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
@@ -145,6 +148,8 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     options = _get(body, "stream_options", dict, {})
     user = _get(body, "user", str, "")
     fields: dict[str, Any] = {"messages": _chat_messages(body)} if chat else _prompt(body)
+    if n > 1:
+        fields["n"] = n
     for name, kinds in _EXTRAS.items():
         value = _get(body, name, kinds, None)
         if value is not None:
@@ -206,30 +211,42 @@ def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": call.model}
 
 
-def full_response(call: ApiCall, rid: str, text: str, finish_reason: str | None, usage: dict | None,
-                  logprobs: dict | None = None) -> dict:
-    """The non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``)."""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-               "finish_reason": finish_reason} if call.chat else
-              {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
-    return {**_head(call, rid, int(time.time()), False), "choices": [choice], "usage": usage_block(usage)}
+def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | None) -> dict:
+    """The non-streaming answer; ``choices`` from ``choice_body``, in index order."""
+    return {**_head(call, rid, int(time.time()), False), "choices": choices, "usage": usage_block(usage)}
+
+
+def choice_body(call: ApiCall, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    """One choice of a non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``)."""
+    if call.chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def merged_usage(usages: list[dict | None]) -> dict:
+    """The usage of ``n`` choices of one prompt: its prompt (and cached) tokens once, every completion token."""
+    first = usages[0] or {}
+    return {**first, "completion_tokens": sum(int((u or {}).get("completion_tokens", 0)) for u in usages)}
 
 
 def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool,
                   logprobs: dict | None = None, text: str | None = None) -> list[dict]:
-    """SSE payloads for one token chunk (the caller appends ``[DONE]`` after the final one); ``logprobs`` in the
-    API's shape, ``text`` when it is not the chunk's own (an echoed prompt before it)."""
+    """SSE payloads for one token chunk of choice ``chunk.index`` (the caller appends ``usage_event`` and
+    ``[DONE]``); ``logprobs`` in the API's shape, ``text`` when it is not the chunk's own (an echoed prompt)."""
     finish = chunk.finish_reason if chunk.final else None
     text = chunk.text if text is None else text
     if call.chat:
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    events = [{**_head(call, rid, created, True), "choices": [choice]}]
-    if chunk.final and call.include_usage:
-        events.append({**_head(call, rid, created, True), "choices": [], "usage": usage_block(chunk.usage)})
-    return events
+        choice = {"index": chunk.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return [{**_head(call, rid, created, True), "choices": [choice]}]
+
+
+def usage_event(call: ApiCall, rid: str, created: int, usage: dict) -> dict:
+    """``stream_options.include_usage``: the last event before ``[DONE]``, after every choice's final chunk."""
+    return {**_head(call, rid, created, True), "choices": [], "usage": usage_block(usage)}
 
 
 def error_body(err: DeepinferError, status: int | None = None) -> tuple[int, dict]:

@@ -38,12 +38,13 @@ class Placer:
         self.model = ServingModel()
 
     def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str, mode: str,
-              transport: str = "", exclude: Collection[str] = (), fingerprint: str | None = None
-              ) -> tuple[WorkerState | None, WorkerState, str | None, str]:
+              transport: str = "", exclude: Collection[str] = (), fingerprint: str | None = None,
+              holders: dict[str, int] | None = None) -> tuple[WorkerState | None, WorkerState, str | None, str]:
         """``(prefill worker or None for local prefill, decode worker, KV transport or None, model fingerprint)``;
         raises ``unavailable`` or ``overloaded``. Only workers of one build are considered: ``fingerprint`` (a
         failover continuation's) while it has a decode worker, else the serving one. Workers in ``exclude`` (a
-        failed attempt's) are avoided while that build has others in their role."""
+        failed attempt's) are avoided while that build has others in their role. ``holders``: ``{worker: prompt
+        tokens}`` the router knows a worker holds though its KV events have not said so yet (a sibling choice)."""
         alive = self.table.alive("decode")
         if not alive:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
@@ -53,9 +54,12 @@ class Placer:
             [s for s in self.table.alive("prefill") if s.report.model_fingerprint == build], exclude)
         first = decode[0].report
         hashes = hash_prompt_blocks(prompt, first.block_size, build, cache_salt)
+        overlap = self.index.overlap(hashes)
+        for worker, tokens in (holders or {}).items():
+            overlap[worker] = max(overlap.get(worker, 0), min(len(hashes), tokens // first.block_size))
         view = ClusterView(prefill=tuple(worker_view(s) for s in prefill),
                            decode=tuple(worker_view(s) for s in decode),
-                           overlap=self.index.overlap(hashes),
+                           overlap=overlap,
                            remote_overlap=self.index.tier_overlap(hashes, "cache_tier"),
                            cost=self.tier_cost(prefill + decode))
         info = RequestInfo(request_id, len(prompt), tuple(hashes), max_tokens, self.ttft_slo_s)

@@ -74,6 +74,7 @@ class Stream:
     migrations: int = 0  # live migrations between decode workers so far
     moved_at: float | None = None  # monotonic time of the last one
     max_tokens: int = 0  # the request's, for the tokens it still has to go
+    holders: dict[str, int] = dataclasses.field(default_factory=dict)  # Placer.place's: a sibling choice's worker
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
         """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
@@ -155,11 +156,13 @@ class Relay:
         work_id = attempt_id(stream.rid, attempt)
         prefill_w, decode_w, transport, build = self.placer.place(
             work_id, prompt, params.max_tokens, req.cache_salt, req.prefill_mode, req.transport,
-            exclude=stream.failed_workers, fingerprint=stream.fingerprint)
+            exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
         stream.fingerprint = build
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
-        account = InflightAccount(prefill_w, decode_w, len(prompt))
+        computing = prefill_w or decode_w       # a sibling's prompt KV there: only the rest is prefill work
+        held = stream.holders.get(computing.report.worker_id, 0) // max(1, computing.report.block_size)
+        account = InflightAccount(prefill_w, decode_w, len(prompt) - held * computing.report.block_size)
         stream.attempt = Attempt(work_id, prefill_w, decode_w, account)
         finished = False
         try:
@@ -186,6 +189,15 @@ class Relay:
             if not finished:  # stop whatever the workers are still doing for this attempt
                 await self.nc.publish(subjects.WORK_CANCEL,
                                       protocol.encode(protocol.CancelRequest(request_id=work_id)))
+
+    def prompt_holder(self, rid: str) -> dict[str, int]:
+        """``{decode worker: prompt tokens}`` where stream ``rid`` decodes now (empty when it does not): that worker
+        holds the prompt's KV before its KV events reach this router (another choice of the same prompt)."""
+        stream = self.live.get(rid)
+        attempt = stream.attempt if stream is not None else None
+        if attempt is None or attempt.decode_w is None or not stream.delivered:
+            return {}
+        return {attempt.decode_w.report.worker_id: stream.prompt_len}
 
     async def probe(self, worker_id: str, work_id: str) -> bool | None:
         """Whether ``worker_id`` still holds ``work_id``; None when it did not answer in time."""

@@ -39,6 +39,7 @@ from services.router.migration import Migrator
 from services.router.planner import RouterPlanner
 from services.router.stats import router_stats
 from services.router.relay import Relay, Stream
+from services.router.choices import serve_choices
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, TenantLimit
 from services.router.tenancy import tenant_salt
@@ -207,13 +208,22 @@ class RouterService(Service):
             await self.nc.publish(reply, protocol.encode(chunk))
         await self.serve(req, send, tenant=subjects.tenant_of(msg.subject), api="nats")
 
-    async def serve(self, req: protocol.GenerateRequest, send, tenant: str | None = None, api: str = "nats") -> None:
+    async def serve(self, req: protocol.GenerateRequest, send, tenant: str | None = None, api: str = "nats",
+                    holders: dict[str, int] | None = None) -> None:
         """Serve one client request (NATS or HTTP): every chunk goes to ``send``, the last one is final (usage or
         an error). ``tenant`` is the authenticated tenant (its subject or API key), None for the plain API.
-        Raises only ``invalid_request`` for a duplicate request id (before anything is sent)."""
+        Raises only ``invalid_request`` for a duplicate request id (before anything is sent). ``holders``:
+        ``{worker: prompt tokens}`` known to hold the prompt's KV (another choice's: ``services/router/choices.py``)."""
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.relays:
             raise invalid(f"request id {rid!r} is already in flight")
+        if req.n > 1:   # the parent is held under its id (cancel, held probes); each choice is a stream of its own
+            self.relays[rid], self.owners[rid] = asyncio.current_task(), (api, tenant)
+            try:
+                return await serve_choices(self, dataclasses.replace(req, request_id=rid), send, tenant, api)
+            finally:
+                self.relays.pop(rid, None)
+                self.owners.pop(rid, None)
         if len(self.relays) >= self.config.max_inflight:
             self.metrics.rejected("max_inflight")
             await send(protocol.TokenChunk.from_error(rid, 0, DeepinferError(
@@ -222,7 +232,8 @@ class RouterService(Service):
         self.relays[rid] = asyncio.current_task()
         self.owners[rid] = (api, tenant)
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
-                        next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens))
+                        next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens),
+                        holders=dict(holders or {}))
         self.metrics.request_started(api)
         outcome = "finished"
         try:

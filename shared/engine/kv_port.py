@@ -163,6 +163,14 @@ class KVPort:
         if self.held.pop(request_id, None) is not None:
             self._bm.free(request_id)
 
+    def held_generator_state(self, request_id: str) -> bytes:
+        """A held request's sampler state after its last token (b"" unseeded): what the next engine continues
+        from, so a seeded stream samples as it would have in one engine."""
+        req = self.held.get(request_id)
+        if req is None:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+        return bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else b""
+
     def prompt_block_ids(self, request_id: str) -> list[int]:
         """The blocks holding a held request's prompt KV, in prompt order."""
         req = self.held.get(request_id)

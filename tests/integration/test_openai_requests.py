@@ -10,10 +10,13 @@ import aiohttp
 import openai
 import pytest
 
+from shared import protocol
+from shared.client import generate_choices
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling import SamplingParams
-from tests.integration.services_harness import InProcessCluster, all_blocks_free, wait_until
+from tests.integration.conftest import connect
+from tests.integration.services_harness import InProcessCluster, all_blocks_free, generate_once, wait_until
 from tests.model_factory import write_tiny_hf_folder
 
 REMOTE = {"ignore_eos": True, "prefill_mode": "remote"}
@@ -155,6 +158,8 @@ async def test_bad_values_are_4xx_and_the_server_keeps_serving(nats_server, fold
     async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0}) as cluster:
         url = f"http://127.0.0.1:{cluster.router.http.port}"
         async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
+                assert resp.status == 200                   # serving (the vocabulary check is the worker's)
             for body, status in BAD:
                 path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
                 async with session.post(url + path, data=io.BytesIO(json.dumps(body).encode())) as resp:
@@ -163,3 +168,51 @@ async def test_bad_values_are_4xx_and_the_server_keeps_serving(nats_server, fold
             async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
                 assert resp.status == 200
         assert not any(w.engine.requests for w in cluster.workers)
+
+
+async def test_n_choices_are_seeded_streams_that_share_the_prompts_prefill(nats_server, folder, engine):
+    prompt_ids = engine.tokenizer.encode(PROMPT * 3)          # 5+ blocks: a prefix worth sharing
+    ref = [run(engine, prompt_ids, SamplingParams(max_tokens=8, temperature=0.8, seed=5 + i, ignore_eos=True))
+           for i in range(3)]
+    want = [r[3] for r in ref]
+    assert len(set(want)) > 1
+    async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0}) as cluster:
+        nc = await connect(nats_server.url)
+        got = await generate_choices(nc, protocol.GenerateRequest(
+            prompt=PROMPT * 3, n=3, max_tokens=8, temperature=0.8, seed=5, ignore_eos=True))
+        await nc.close()
+        assert [ids for ids, _, _ in got] == [r[0] for r in ref]
+        assert [text for _, text, _ in got] == want
+        assert all(usage["completion_tokens"] == 8 for _, _, usage in got)
+        assert all(usage["cached_tokens"] >= 4 * 8 for _, _, usage in got[1:]), [(u["cached_tokens"], "prefill_ms" in u) for _, _, u in got]   # the prompt prefilled once
+        api = client(cluster)
+        done = await api.completions.create(model="default", prompt=PROMPT * 3, n=3, max_tokens=8,
+                                            temperature=0.8, seed=5, extra_body={"ignore_eos": True})
+        assert [c.index for c in done.choices] == [0, 1, 2] and [c.text for c in done.choices] == want
+        assert done.usage.completion_tokens == 24 and done.usage.prompt_tokens == len(prompt_ids)
+        texts, usage = ["", "", ""], None
+        async for event in await api.completions.create(model="default", prompt=PROMPT * 3, n=3, max_tokens=8,
+                                                        temperature=0.8, seed=5, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}):
+            for c in event.choices:
+                texts[c.index] += c.text
+            usage = event.usage or usage
+        assert texts == want and usage.completion_tokens == 24
+        chat = await api.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPT}],
+                                                 n=2, max_tokens=5, temperature=0)
+        assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+        await api.close()
+        assert await wait_until(lambda: all_blocks_free(cluster))
+
+
+async def test_a_seeded_sampled_stream_through_the_hand_off_equals_the_engine(nats_server, folder, engine):
+    """The prefill worker hands its sampler state on with the KV: the decode worker's first draw is the second."""
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    want = run(engine, prompt_ids, SamplingParams(max_tokens=8, temperature=0.8, seed=6, ignore_eos=True))[0]
+    async with InProcessCluster(nats_server.url, folder):
+        for mode in ("remote", "local"):
+            ids, _, _ = await generate_once(nats_server.url, protocol.GenerateRequest(
+                prompt_token_ids=prompt_ids, max_tokens=8, temperature=0.8, seed=6, ignore_eos=True,
+                prefill_mode=mode))
+            assert ids == want, mode

@@ -2,8 +2,8 @@
 import pytest
 
 from services.router.api_keys import ApiKeys, parse_api_keys
-from services.router.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, chunk_error, error_body, full_response,
-                                        parse_call, stream_events)
+from services.router.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, choice_body, chunk_error, error_body,
+                                        full_response, merged_usage, parse_call, stream_events, usage_event)
 from services.router.tenancy import tenant_salt
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
@@ -43,7 +43,7 @@ def test_user_salts_the_cache_only_when_configured():
 
 
 @pytest.mark.parametrize("body", [
-    [], {"prompt": "x", "n": 3}, {"prompt": "x", "logprobs": True}, {"prompt": "x", "presence_penalty": 2.5},
+    [], {"prompt": "x", "n": 17}, {"prompt": "x", "n": 0}, {"prompt": "x", "logprobs": True}, {"prompt": "x", "presence_penalty": 2.5},
     {"prompt": "x", "temperature": True}, {"prompt": "x", "max_tokens": "5"}, {"prompt": ["a", "b"]},
     {"prompt": []}, {"prompt": "x", "stop": ["a"] * 17}, {"prompt": "x", "top_p": 0.0},
     {"prompt": "x", "retention": 7}, {"prompt": "x", "prefill_mode": "sideways"}, {"prompt": "x", "seed": 1.5},
@@ -115,20 +115,23 @@ def test_responses_and_stream_events_have_openai_shapes():
     chat = parse_call({"messages": [{"role": "user", "content": "q"}], "model": "m",
                        "stream_options": {"include_usage": True}}, chat=True)
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 4}
-    full = full_response(chat, "id1", "hi", "stop", usage)
+    full = full_response(chat, "id1", [choice_body(chat, 0, "hi", "stop", None)], usage)
     assert full["object"] == "chat.completion" and full["choices"][0]["message"] == {"role": "assistant",
                                                                                      "content": "hi"}
     assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                              "prompt_tokens_details": {"cached_tokens": 4}}
     first = protocol.TokenChunk(request_id="r", seq=0, token_ids=[1], text="h")
     last = protocol.TokenChunk(request_id="r", seq=1, token_ids=[2], text="i", final=True, finish_reason="stop",
-                               usage=usage)
+                               usage=usage, index=1)
     [e0] = stream_events(chat, "id1", 1, first, first=True)
     assert e0["object"] == "chat.completion.chunk" and e0["choices"][0]["delta"] == {"role": "assistant",
                                                                                      "content": "h"}
-    e1, e_usage = stream_events(chat, "id1", 1, last, first=False)
-    assert e1["choices"][0]["finish_reason"] == "stop" and e_usage["choices"] == [] and e_usage["usage"]["total_tokens"] == 7
-    plain = parse_call({"prompt": "q"}, chat=False)
+    [e1] = stream_events(chat, "id1", 1, last, first=False)
+    assert e1["choices"][0]["finish_reason"] == "stop" and e1["choices"][0]["index"] == 1
+    e_usage = usage_event(chat, "id1", 1, merged_usage([usage, usage]))
+    assert e_usage["choices"] == [] and e_usage["usage"]["total_tokens"] == 9   # the prompt once, 2 + 2 tokens
+    plain = parse_call({"prompt": "q", "n": 2}, chat=False)
+    assert plain.request.n == 2
     [t] = stream_events(plain, "id2", 1, last, first=False)
     assert t["object"] == "text_completion" and t["choices"][0]["text"] == "i"
 

@@ -52,6 +52,7 @@ class RouterConfig(ServiceConfig):
     http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API (and /metrics) listens here
     http_port: int = 8000  # 0 = any free port (logged), -1 = no HTTP
     api_keys: str = dataclasses.field(default="", repr=False)  # "key=tenant,..." or @file: HTTP needs a key; its tenant salts the cache
+    allowed_origins: str = ""  # CORS for browsers: "*" or comma-separated origins; "" = no CORS headers
     user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
     migrate_on_drain: bool = True  # move the streams of a draining decode worker (live migration) instead of
     # letting them be handed back and prefilled again elsewhere

@@ -23,14 +23,15 @@ import asyncio
 import dataclasses
 import json
 import logging
+import importlib.metadata
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from services.router import openai_api
 from services.router.api_keys import ApiKeys
+from services.router.http_conventions import REQUEST_ID, Conventions
 from services.router.openai_choice import Choice
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
@@ -44,6 +45,11 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 QUEUE_CHUNKS = 64
 STALL_S = 30.0  # a client that takes nothing for this long is cut off
 RETRY_AFTER_S = "1"
+MAX_DETOKENIZE_IDS = 1 << 17
+try:
+    VERSION = importlib.metadata.version("deepinfer")
+except importlib.metadata.PackageNotFoundError:   # a source tree that was never installed
+    VERSION = "0+unknown"
 
 
 def _error(err: DeepinferError, status: int | None = None) -> web.Response:
@@ -87,11 +93,15 @@ class HttpApi:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
+        Conventions(self.router.config.allowed_origins).install(app)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -119,9 +129,60 @@ class HttpApi:
     async def models(self, request: web.Request) -> web.Response:
         if (err := self._auth(request)[1]) is not None:
             return err
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "deepinfer"}
-                for m in self.router.served_models()]
+        data = [{"id": m, "object": "model", "created": self.router.started_at, "owned_by": "deepinfer", "root": m,
+                 "max_model_len": self.router.max_model_len()} for m in self.router.served_models()]
         return web.json_response({"object": "list", "data": data})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: ``prompt`` or chat ``messages`` -> ``{"tokens", "count", "max_model_len"}``
+        (``return_token_strs``: each token's text too)."""
+        if (err := self._auth(request)[1]) is not None:
+            return err
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict):
+                raise DeepinferError(ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
+            if "messages" in body:
+                req = protocol.GenerateRequest(messages=openai_api.chat_messages(body))
+            elif isinstance(body.get("prompt"), str):
+                req = protocol.GenerateRequest(prompt=body["prompt"])
+            else:
+                raise DeepinferError(ErrorCode.INVALID_REQUEST, "tokenize needs a string 'prompt' or 'messages'")
+            ids = await self.router.tokenize(req)
+        except DeepinferError as exc:
+            return _error(exc)
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": self.router.max_model_len()}
+        if body.get("return_token_strs") is True:
+            tok = self.router.tokenizer
+            answer["token_strs"] = [tok.decode([i], skip_special_tokens=False) for i in ids]
+        return web.json_response(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        if (err := self._auth(request)[1]) is not None:
+            return err
+        try:
+            body = await self._json(request)
+            ids = body.get("tokens") if isinstance(body, dict) else None
+            vocab = self.router.tokenizer.vocab_size
+            if (not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE_IDS
+                    or not all(type(i) is int and 0 <= i < vocab for i in ids)):
+                raise DeepinferError(ErrorCode.INVALID_REQUEST, f"detokenize needs 'tokens': a list of at most "
+                                     f"{MAX_DETOKENIZE_IDS} token ids in [0, {vocab})")
+        except DeepinferError as exc:
+            return _error(exc)
+        return web.json_response({"prompt": self.router.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    async def _json(self, request: web.Request):
+        try:
+            return await request.json(loads=json.loads)
+        except web.HTTPRequestEntityTooLarge:
+            raise DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes") from None
+        except (ValueError, UnicodeDecodeError):
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON") from None
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.router.render_metrics(request.headers.get("Accept", ""))
@@ -140,17 +201,13 @@ class HttpApi:
         if self.router.draining:
             return _error(DeepinferError(ErrorCode.UNAVAILABLE, "the router is draining; retry"))
         try:
-            body = await request.json(loads=json.loads)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(DeepinferError(ErrorCode.PAYLOAD_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes"))
-        except (ValueError, UnicodeDecodeError):
-            return _error(DeepinferError(ErrorCode.INVALID_REQUEST, "the body is not valid JSON"))
-        try:
+            body = await self._json(request)
             call = openai_api.parse_call(body, chat, self.router.config.user_cache_salt)
-            prompt_ids = await self.router.tokenize(call.request) if call.echo or call.logprobs and not chat else None
+            wants_prompt = call.echo or call.continuous_usage or (call.logprobs and not chat)
+            prompt_ids = await self.router.tokenize(call.request) if wants_prompt else None
         except DeepinferError as exc:
             return _error(exc)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID]   # http_conventions: X-Request-Id
         sink = ChunkSink()
         req = dataclasses.replace(call.request, request_id=rid)
         choices = [Choice(call, prompt_ids, self.router.tokenizer) for _ in range(req.n)]
@@ -206,8 +263,7 @@ class HttpApi:
         chunk = await self._next(sink, task)
         if chunk.final and (err := openai_api.chunk_error(chunk)) is not None:
             return _error(err)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": rid})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         created, started, usages = int(time.time()), set(), {}
         while True:
@@ -217,8 +273,10 @@ class HttpApi:
                 break
             choice = choices[chunk.index]
             text, logprobs = choice.piece(chunk)
+            so_far = {"prompt_tokens": len(choice.prompt_ids), "completion_tokens": choice.completion_tokens} \
+                if call.continuous_usage else None
             for event in openai_api.stream_events(call, rid, created, chunk, chunk.index not in started, logprobs,
-                                                  text):
+                                                  text, so_far):
                 await _sse(request, response, event)
             started.add(chunk.index)
             if chunk.final:

@@ -65,6 +65,7 @@ class ApiCall:
     logprobs: bool = False   # answer with logprobs (chat: logprobs true; completions: logprobs set)
     echo: bool = False       # completions: the prompt's text (and logprobs) before the completion
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not shown
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every streamed chunk
 
 
 def _get(body: dict, name: str, kinds, default=None):
@@ -90,7 +91,8 @@ def _stop(body: dict) -> list[str]:
     raise invalid("parameter 'stop' must be a string or a list of at most 16 strings")
 
 
-def _chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
+    """A body's ``messages`` as plain ``{role, content}`` text messages (``invalid_request`` naming the bad one)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("parameter 'messages' must be a non-empty list")
@@ -147,7 +149,7 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     user = _get(body, "user", str, "")
-    fields: dict[str, Any] = {"messages": _chat_messages(body)} if chat else _prompt(body)
+    fields: dict[str, Any] = {"messages": chat_messages(body)} if chat else _prompt(body)
     if n > 1:
         fields["n"] = n
     for name, kinds in _EXTRAS.items():
@@ -166,7 +168,7 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
         stop=_stop(body), **fields)
     return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
-                   prompt_only)
+                   prompt_only, bool(options.get("continuous_usage_stats")))
 
 
 def _logprobs(body: dict, chat: bool, fields: dict) -> bool:
@@ -231,9 +233,10 @@ def merged_usage(usages: list[dict | None]) -> dict:
 
 
 def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool,
-                  logprobs: dict | None = None, text: str | None = None) -> list[dict]:
+                  logprobs: dict | None = None, text: str | None = None, usage: dict | None = None) -> list[dict]:
     """SSE payloads for one token chunk of choice ``chunk.index`` (the caller appends ``usage_event`` and
-    ``[DONE]``); ``logprobs`` in the API's shape, ``text`` when it is not the chunk's own (an echoed prompt)."""
+    ``[DONE]``); ``logprobs`` in the API's shape, ``text`` when it is not the chunk's own (an echoed prompt),
+    ``usage`` (``continuous_usage_stats``) the choice's so far."""
     finish = chunk.finish_reason if chunk.final else None
     text = chunk.text if text is None else text
     if call.chat:
@@ -241,7 +244,10 @@ def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenCh
         choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": chunk.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return [{**_head(call, rid, created, True), "choices": [choice]}]
+    event = {**_head(call, rid, created, True), "choices": [choice]}
+    if usage is not None:
+        event["usage"] = usage_block(usage)
+    return [event]
 
 
 def usage_event(call: ApiCall, rid: str, created: int, usage: dict) -> dict:

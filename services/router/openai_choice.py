@@ -22,6 +22,7 @@ class Choice:
         self.rows = LogprobRows()
         self._echoed = not call.echo
         self._offset = 0          # completions' text_offset of the next streamed piece
+        self.completion_tokens = 0  # the generated tokens this choice shows so far
 
     def piece(self, chunk: protocol.TokenChunk) -> tuple[str, dict | None]:
         """The text and logprobs (API shape; None when not asked) ``chunk`` adds."""
@@ -35,6 +36,7 @@ class Choice:
             rows.add_prompt(self.prompt_ids, chunk.prompt_logprobs)    # prompt_logprobs without echo
         if not self.call.prompt_only:
             text += chunk.text
+            self.completion_tokens += len(chunk.token_ids)
             if self.call.logprobs and chunk.logprobs is not None:
                 rows.add(chunk.token_ids, chunk.logprobs)
         self.parts.append(text)

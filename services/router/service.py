@@ -63,6 +63,7 @@ class RouterService(Service):
         self._resyncing: set[str] = set()
         self._unknown_in_index: set[str] = set()  # index workers with no table entry at the last sweep
         self.tokenizer = None
+        self.started_at = int(time.time())   # GET /v1/models' ``created``
         self.served_name = config.served_model_name or served_model_name(config.model or None)
         self.nc = None
         self.runtime: ServiceRuntime | None = None
@@ -332,6 +333,11 @@ class RouterService(Service):
     def render_metrics(self, accept: str = "") -> tuple[bytes, str]:
         """The router's Prometheus scrape (``GET /metrics`` on the HTTP port)."""
         return self.metrics.render(accept)
+
+    def max_model_len(self) -> int | None:
+        """The largest context window an alive decode worker's engine serves (None before any reports one)."""
+        return max((s.report.max_model_len for s in self.table.alive("decode") if s.report.max_model_len),
+                   default=None)
 
     def served_models(self) -> list[str]:
         """``[served_name]`` once a worker of the model is alive, else nothing (``GET /v1/models``)."""

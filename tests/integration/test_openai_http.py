@@ -91,7 +91,7 @@ async def test_bad_input_gets_openai_errors_with_status(nats_server, folder):
     async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0, "api_keys": KEYS}) as cluster:
         cases = [
             ("/v1/completions", None, b"{not json", 400),
-            ("/v1/completions", {"prompt": "x", "n": 2}, None, 400),
+            ("/v1/completions", {"prompt": "x", "n": 17}, None, 400),
             ("/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400),
             ("/v1/completions", {"prompt": ["a", "b"]}, None, 400),
             ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, 400),

@@ -155,14 +155,15 @@ BAD = [
 
 
 async def test_bad_values_are_4xx_and_the_server_keeps_serving(nats_server, folder):
+    encoded = [json.dumps(body).encode() for body, _ in BAD]   # before the cluster: 13 MB of JSON takes a while
     async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0}) as cluster:
         url = f"http://127.0.0.1:{cluster.router.http.port}"
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
                 assert resp.status == 200                   # serving (the vocabulary check is the worker's)
-            for body, status in BAD:
+            for (body, status), data in zip(BAD, encoded):
                 path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-                async with session.post(url + path, data=io.BytesIO(json.dumps(body).encode())) as resp:
+                async with session.post(url + path, data=io.BytesIO(data)) as resp:
                     assert resp.status == status, (str(body)[:80], await resp.text())
                     assert (await resp.json())["error"]["message"]
             async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
@@ -216,3 +217,57 @@ async def test_a_seeded_sampled_stream_through_the_hand_off_equals_the_engine(na
                 prompt_token_ids=prompt_ids, max_tokens=8, temperature=0.8, seed=6, ignore_eos=True,
                 prefill_mode=mode))
             assert ids == want, mode
+
+
+async def test_endpoints_and_conventions(nats_server, folder, engine):
+    """/tokenize, /detokenize, /version, /v1/models; X-Request-Id honoured and echoed; CORS; continuous usage."""
+    origin = "https://app.example"
+    async with InProcessCluster(nats_server.url, folder,
+                                router_kw={"http_port": 0, "allowed_origins": origin}) as cluster:
+        url = f"http://127.0.0.1:{cluster.router.http.port}"
+        messages = [{"role": "user", "content": PROMPT}]
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as resp:
+                assert resp.status == 200 and len(resp.headers["X-Request-Id"]) >= 16     # made when not sent
+            async with s.post(url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}) as resp:
+                got = await resp.json()
+            assert got["tokens"] == engine.tokenizer.encode(PROMPT) and got["count"] == len(got["tokens"])
+            assert "".join(got["token_strs"]) == PROMPT and got["max_model_len"] == 1024
+            async with s.post(url + "/tokenize", json={"messages": messages}) as resp:
+                chat_ids = (await resp.json())["tokens"]
+            assert chat_ids == engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+            async with s.post(url + "/detokenize", json={"tokens": got["tokens"]}) as resp:
+                assert (await resp.json())["prompt"] == PROMPT
+            for path, body in (("/detokenize", {"tokens": [10**9]}), ("/tokenize", {"prompt": 5})):
+                async with s.post(url + path, json=body) as resp:
+                    assert resp.status == 400 and (await resp.json())["error"]["message"]
+            async with s.get(url + "/version") as resp:
+                assert (await resp.json())["version"]
+            async with s.get(url + "/v1/models") as resp:
+                [model] = (await resp.json())["data"]
+            assert model["owned_by"] == "deepinfer" and model["created"] > 1.7e9 and model["max_model_len"] == 1024
+
+            headers = {"X-Request-Id": "trace-42", "Origin": origin}
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers) as resp:
+                assert resp.headers["X-Request-Id"] == "trace-42" and (await resp.json())["id"] == "cmpl-trace-42"
+                assert resp.headers["Access-Control-Allow-Origin"] == origin
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "n": 99}, headers=headers) as resp:
+                assert resp.status == 400 and resp.headers["X-Request-Id"] == "trace-42"   # errors too
+            async with s.post(url + "/v1/completions", headers={"Origin": "https://evil.example"},
+                              json={"prompt": "x", "max_tokens": 1}) as resp:
+                assert "Access-Control-Allow-Origin" not in resp.headers
+            preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+            async with s.options(url + "/v1/chat/completions", headers=preflight) as resp:
+                assert resp.status == 204 and "POST" in resp.headers["Access-Control-Allow-Methods"]
+                assert resp.headers["Access-Control-Allow-Origin"] == origin
+
+            body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            async with s.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "s-1"}) as resp:
+                assert resp.headers["X-Request-Id"] == "s-1"
+                events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                          if line.startswith("data: {")]
+            counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+            assert counts == sorted(counts) and counts[-1] == 6 and len(counts) > 1
+            assert all(e["usage"]["prompt_tokens"] == len(got["tokens"]) for e in events)
+            assert all(e["id"] == "cmpl-s-1" for e in events)

@@ -89,6 +89,7 @@ class GenerateRequest(WireModel):
     bad_words: list[str] = wire_field(default_factory=list)
     logprobs: int | None = None     # top logprobs per generated token (0: only the token's own); None: none
     prompt_logprobs: int | None = None
+    structured: dict | None = None   # the output's JSON schema / regex / choice / grammar (shared/structured.py)
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list)
     stop_token_ids: list[int] = wire_field(default_factory=list)

@@ -8,6 +8,7 @@ class, its rule in ``_check`` and the code that uses it.
 """
 from __future__ import annotations
 
+from shared import structured as output_specs
 from shared.errors import invalid
 from shared.wire_validation import WireModel, wire_field, wire_message
 
@@ -53,6 +54,9 @@ class Sampling(WireModel):
     ``logprobs`` alternatives; ``prompt_logprobs`` the same for every prompt token after the first, on the first
     output (a request with it reuses no cached prefix: every prompt position is computed). Both are taken from
     the raw model distribution (``shared/logprobs.py``).
+
+    ``structured`` (``shared/structured.py``): the output must match that JSON schema, regex, choice or grammar; the
+    engine masks every sampled position, drafted ones included, with the grammar's state after the output so far.
     """
 
     max_tokens: int = 256
@@ -69,6 +73,7 @@ class Sampling(WireModel):
     bad_words_token_ids: list[list[int]] = wire_field(default_factory=list, max_len=2 * MAX_BAD_WORDS)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: dict | None = None
     seed: int | None = None
     stop: list[str] = wire_field(default_factory=list, max_len=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = wire_field(default_factory=list, max_len=MAX_STOP_TOKEN_IDS)
@@ -106,6 +111,8 @@ class Sampling(WireModel):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise invalid(f"{name} must be in [0, {MAX_LOGPROBS}] (or absent), got {value!r}")
+        if self.structured is not None:
+            output_specs.check(self.structured)
         if self.top_k < -1:
             raise invalid(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -3,7 +3,7 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour yet (tools, ``response_format`` other than text, non-text content) are
+  cannot honour yet (tools, non-text content) are
   rejected, never ignored, and so are parameters we do not know (a typo): a client must not believe a setting
   took effect. A parameter at its neutral value (``tools: []``, ``tool_choice: "none"``, ``response_format:
   {"type": "text"}``, ``logprobs: false``, ``best_of: 1``: what SDKs and frameworks send on every call) changes
@@ -12,6 +12,9 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
   ``min_p``, ``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``
   (``shared/sampling.py`` states their semantics).
+- Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (``structured_spec``): a schema or
+  grammar that does not compile is a 400 naming the problem, before any placement.
 - ``n`` (1..16): that many choices, ``index`` 0..n-1 (``services/router/choices.py``); usage counts the prompt
   once and every choice's completion tokens.
 - Log-probabilities: chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` (0..20) and ``echo`` (the
@@ -24,6 +27,7 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +44,15 @@ _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": 
            "min_p": _NUMBER, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
            "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list,
            "bad_words": list}
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar")
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
-          "logprobs", *_EXTRAS}
+          "logprobs", *_STRUCTURED, *_EXTRAS}
 _KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
 _KNOWN_COMPLETIONS = {"prompt", "echo", "prompt_logprobs"}
 # not served yet: accepted only at a value that changes nothing (or null); anything else is a 400 naming it
 _NEUTRAL = {"best_of": (1,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-            "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "echo": (False,), "top_logprobs": (0,),
+            "parallel_tool_calls": (True, False), "echo": (False,), "top_logprobs": (0,),
             "suffix": ("",)}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
@@ -158,6 +164,9 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
             fields[name] = value
     if user_cache_salt and user and "cache_salt" not in fields:
         fields["cache_salt"] = user
+    spec = structured_spec(body)
+    if spec is not None:
+        fields["structured"] = spec
     logprobs, echo = _logprobs(body, chat, fields), bool(not chat and _get(body, "echo", bool, False))
     if echo and logprobs:
         fields.setdefault("prompt_logprobs", fields["logprobs"])   # echo + logprobs: the prompt's too (vLLM)
@@ -169,6 +178,51 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
         stop=_stop(body), **fields)
     return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
                    prompt_only, bool(options.get("continuous_usage_stats")))
+
+
+def structured_spec(body: dict) -> dict | None:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` / ``guided_*`` as a ``shared/structured.py``
+    spec (None: free text); at most one of them. Its grammar is checked when the request is built."""
+    given = {name: body[name] for name in _STRUCTURED if body.get(name) is not None}
+    if given.get("response_format") == {"type": "text"}:
+        del given["response_format"]
+    if len(given) > 1:
+        raise invalid(f"parameters {' and '.join(sorted(given))}: give at most one structured-output constraint")
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise invalid("parameter 'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                          "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return {"type": "json_schema", "schema": schema}
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len([k for k in value if value[k] not in (None, False)]) != 1:
+            raise invalid("parameter 'structured_outputs' must hold exactly one of json, regex, choice, grammar, "
+                          "json_object")
+        (name, value), = ((k, v) for k, v in value.items() if v not in (None, False))
+        name = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                "grammar": "guided_grammar", "json_object": "json_object"}.get(name, name)
+        if name == "json_object":
+            return {"type": "json_object"}
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid("parameter 'guided_json': not valid JSON") from None
+        return {"type": "json_schema", "schema": value}
+    if name == "guided_regex":
+        return {"type": "regex", "pattern": value}
+    if name == "guided_choice":
+        return {"type": "choice", "choices": value}
+    if name == "guided_grammar":
+        return {"type": "grammar", "grammar": value}
+    raise invalid(f"parameter 'structured_outputs': unknown constraint {name!r}")
 
 
 def _logprobs(body: dict, chat: bool, fields: dict) -> bool:

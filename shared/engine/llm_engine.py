@@ -17,6 +17,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.hybrid_kv import build_kv_manager
 from shared.engine.kv_manager import KVManager
+from shared.engine.grammar import Grammars
 from shared.engine.kv_port import KVPort
 from shared.engine.logits_processors import tokenize_bad_words
 from shared.engine.model_runner import ModelRunner
@@ -39,7 +40,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_manager: KVManager = build_kv_manager(model, config, self.max_model_len)  # 1 pool or KV groups
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.block_manager)
+        self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
+        self.runner = ModelRunner(model, self.block_manager, self.grammars)
         if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and model.device.type == "cuda"):
             self.runner.use_decode_graphs(max_blocks=-(-self.max_model_len // config.block_size),
                                           max_batch=min(config.decode_graph_max_batch, config.max_num_seqs),
@@ -78,6 +80,8 @@ class LLMEngine:
             raise invalid(f"prompt token ids must be integers in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.token_ids_named):
             raise invalid(f"token ids in stop_token_ids, logit_bias and allowed_token_ids must be in [0, {vocab})")
+        if params.structured is not None and self.grammars is None:
+            raise invalid("structured outputs need the model's tokenizer; this engine has none")
         if params.prompt_logprobs is not None and len(prompt_token_ids) * (1 + params.prompt_logprobs) > \
                 MAX_PROMPT_LOGPROB_ENTRIES:
             raise invalid(f"prompt_logprobs: {len(prompt_token_ids)} prompt tokens x {1 + params.prompt_logprobs} "

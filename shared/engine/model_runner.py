@@ -18,7 +18,9 @@ from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.kv_manager import KVManager
+from shared.engine import grammar
 from shared.engine.decode_graphs import DecodeGraphs
+from shared.engine.grammar import Grammars
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
@@ -42,8 +44,8 @@ def _decode_like(s) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_manager: KVManager) -> None:
-        self.model, self.bm = model, block_manager
+    def __init__(self, model: LlamaModel, block_manager: KVManager, grammars: Grammars | None = None) -> None:
+        self.model, self.bm, self.grammars = model, block_manager, grammars
         self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
@@ -160,7 +162,10 @@ class ModelRunner:
             k = len(req.spec_token_ids)
             first_row[req.request_id] = row
             if k:
-                tokens_of[req.request_id] = verify(logits[row:row + k + 1], req.spec_token_ids, req.params,
+                rows = logits[row:row + k + 1]
+                if req.params.structured is not None:
+                    rows = grammar.apply(rows, self.grammars.allowed(req, req.spec_token_ids))
+                tokens_of[req.request_id] = verify(rows, req.spec_token_ids, req.params,
                                                 req.generator, req.prompt_token_ids,
                                                 req.output_token_ids if req.params.processes_logits else (),
                                                 self._eos)
@@ -170,7 +175,14 @@ class ModelRunner:
             row += k + 1
         if plain:
             rows_t = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
-            tokens = sample(logits[rows_t] if len(plain) < len(sampled) else logits,
+            plain_logits = logits[rows_t] if len(plain) < len(sampled) else logits
+            constrained = [i for i, r in enumerate(plain) if r.params.structured is not None]
+            if constrained:   # masked on a copy: logprobs stay the raw distribution's
+                at = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+                plain_logits = plain_logits.clone()
+                plain_logits[at] = grammar.apply(plain_logits[at], torch.cat([self.grammars.allowed(plain[i])
+                                                                              for i in constrained]))
+            tokens = sample(plain_logits,
                             [r.params for r in plain], [r.generator for r in plain],
                             [r.prompt_token_ids for r in plain],   # histories only where a processor reads them
                             [r.output_token_ids if r.params.processes_logits else () for r in plain], self._eos)

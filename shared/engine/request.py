@@ -53,7 +53,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
-                 "spec_features", "prompt_logprobs")
+                 "spec_features", "prompt_logprobs", "matcher", "matcher_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
@@ -79,6 +79,8 @@ class Request:
         self.spec_features: list = []  # their TokenFeatures (acceptance log)
         # Sampling.prompt_logprobs: entries of prompt tokens 1.. scored so far (filled by the prefill chunks)
         self.prompt_logprobs: Logprobs | None = None if params.prompt_logprobs is None else Logprobs()
+        self.matcher = None      # Sampling.structured: its grammar's state (shared/engine/grammar.py)
+        self.matcher_tokens = 0  # output tokens the matcher has consumed
         self.update_block_hashes()
 
     @property

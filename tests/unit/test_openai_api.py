@@ -1,4 +1,6 @@
 """OpenAI body -> GenerateRequest, chunks -> OpenAI objects, error shapes, API keys and tenant salts."""
+import json
+
 import pytest
 
 from services.router.api_keys import ApiKeys, parse_api_keys
@@ -75,7 +77,11 @@ def test_sampling_controls_reach_the_request():
     ({"logit_bias": {str(i): 1 for i in range(10**6)}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 50}, "top_logprobs")])
+    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"top_logprobs": 50}, "top_logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "json_schema"), ({"guided_regex": "a(b"}, "regex"), ({"guided_choice": []}, "choices"),
+    ({"guided_json": "{nope"}, "guided_json"), ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+    ({"structured_outputs": {"grammar": "start: 'a' |"}}, "grammar")])
 def test_sampling_controls_out_of_bounds_and_features_not_served_yet_are_400s(extra, named):
     with pytest.raises(DeepinferError) as err:
         parse_call({"messages": [{"role": "user", "content": "x"}], **extra}, chat=True)
@@ -170,3 +176,20 @@ def test_tenant_salt_namespace():
     assert tenant_salt(own, None) == "proj" and tenant_salt(own, "acme") == "t/acme/proj"
     with pytest.raises(DeepinferError, match="reserved"):
         tenant_salt(protocol.GenerateRequest(prompt="x", cache_salt="t/acme"), None)
+
+
+def test_structured_output_fields_map_to_one_spec():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                           "strict": True}}},
+              {"type": "json_schema", "schema": schema}),
+             ({"response_format": {"type": "json_object"}}, {"type": "json_object"}),
+             ({"response_format": {"type": "text"}}, None),
+             ({"guided_json": json.dumps(schema)}, {"type": "json_schema", "schema": schema}),
+             ({"guided_regex": "[a-z]+"}, {"type": "regex", "pattern": "[a-z]+"}),
+             ({"guided_choice": ["yes", "no"]}, {"type": "choice", "choices": ["yes", "no"]}),
+             ({"structured_outputs": {"choice": ["a"]}}, {"type": "choice", "choices": ["a"]}),
+             ({"guided_grammar": 'root ::= "a" | "b"'}, {"type": "grammar", "grammar": 'root ::= "a" | "b"'})]
+    for extra, spec in cases:
+        assert parse_call({**chat, **extra}, chat=True).request.sampling().structured == spec, extra

@@ -11,9 +11,11 @@ Invariants: ``grammar_of`` is a pure, cached function of the spec (compiled once
 bad schema is a 400 at the router, before any placement. JSON is generated compactly (no optional whitespace:
 a model cannot wander in blank space until ``max_tokens``).
 
-Why llguidance: it has no dependencies, builds a grammar in about a millisecond with no per-vocabulary
-precomputation, and computes a 49K-token mask in ~0.1 ms per token on this CPU
-(``benchmarks/grammar_mask.py`` measures it beside xgrammar and outlines-core on the same schema set).
+Why llguidance (``python -m benchmarks.grammar_mask``: SmolLM2's 49K vocabulary, 4 schemas, one thread): a
+grammar compiles in 0.6 ms (xgrammar 5 ms, outlines-core 21 ms), and a distinct schema (an agent's tools, a
+client's pydantic model) compiles on the request's path; its mask costs 12 µs p50 / 150 µs p99 per token
+(xgrammar 1.3 / 25 µs, outlines-core 2.2 / 93 µs), well under a CPU decode step; and the wheel has no
+dependencies (xgrammar pulls transformers, pydantic, triton and apache-tvm-ffi into every worker).
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def _llguidance():
 
 
 def key(spec: dict) -> str:
-    """The spec's canonical text (cache key)."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    """The spec's text (cache key). Keys keep their order: a schema's property order is the output's."""
+    return json.dumps(spec, separators=(",", ":"))
 
 
 def check(spec: Any) -> None:

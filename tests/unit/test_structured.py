@@ -109,3 +109,12 @@ def test_bad_specs_are_refused_naming_the_problem(spec, named):
     with pytest.raises(DeepinferError) as err:
         SamplingParams(structured=spec)
     assert named in err.value.message and err.value.http_status == 400
+
+
+def test_properties_come_out_in_the_schemas_order(folder):
+    eng = engine(folder)
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    out = eng.generate([eng.tokenizer.encode("x")], SamplingParams(max_tokens=40, temperature=0, structured={
+        "type": "json_schema", "schema": schema}))[0]
+    assert list(json.loads(eng.tokenizer.decode(out))) == ["zeta", "alpha"]

@@ -12,7 +12,9 @@ the in-process engine's; for each launched layout, every process's user+system C
     python -m benchmarks.openai_burst --engine --up "" --variant plain={} \
         --variant 'penalties={"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}'
 ``--variant NAME=JSON`` (repeatable) adds JSON's fields to every request body (the engine baseline gets the same
-sampling fields), each variant a burst of its own on the same server, side by side.
+sampling fields, ``response_format`` / ``guided_*`` as its structured-output spec), each variant a burst of its
+own on the same server, side by side (each under its own ``cache_salt``: no variant finds another's prompts
+cached).
 Prompt sets: ``distinct`` (the 64 bench prompts) and ``shared-prefix`` (the same behind one 1,002-token block).
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
-    times, tokens, error = [], 0, None
+    times, tokens, error, pieces = [], 0, None, []
     try:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -59,14 +61,20 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
                     break
                 if any(c.get("text") for c in event.get("choices", [])):
                     times.append(time.perf_counter() - t0)
+                    pieces.append("".join(c.get("text") or "" for c in event["choices"]))
                 usage = event.get("usage")
                 if usage:
                     tokens = int(usage.get("completion_tokens", 0))
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         error = repr(exc)
-    if error is None and tokens < max_tokens:
-        error = f"stream ended after {tokens} of {max_tokens} tokens"
+    if error is None and tokens < max_tokens and body.get("ignore_eos", True):
+        error = f"stream ended after {tokens} of {max_tokens} tokens"   # a variant may let EOS end it
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    if error is None and (extra or {}).get("response_format", {}).get("type") in ("json_object", "json_schema"):
+        try:
+            json.loads("".join(pieces))
+        except ValueError:
+            error = "output is not JSON" if tokens < max_tokens else None   # cut by max_tokens: not an error
     return {"error": error, "tokens": tokens, "ttft": times[0] if times else None, "tpot": tpot}
 
 
@@ -96,8 +104,14 @@ def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None =
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling import SamplingParams
 
+    from services.router.openai_api import structured_spec
+
     engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **(extra or {}))
+    fields = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **(extra or {})}
+    spec = structured_spec(fields)      # the HTTP body's response_format / guided_* as the engine's spec
+    fields = {k: v for k, v in fields.items() if k not in ("response_format", "structured_outputs")
+              and not k.startswith("guided_")}
+    params = SamplingParams(**fields, structured=spec)
     t0 = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -150,7 +164,8 @@ async def up_burst(flags: str, prompts: list[list[int]], max_tokens: int,
         results = {}
         for name, extra in (variants or {"": {}}).items():
             before = cpu_seconds(pids)
-            result = await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys), extra=extra)
+            salted = {**extra, "cache_salt": f"variant-{name}"}   # no variant finds another's prompts cached
+            result = await burst(cluster.http_url, prompts, max_tokens, cli_up.first_key(spec.api_keys), extra=salted)
             after = cpu_seconds(pids)
             result["cpu"] = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
                              for n in after if n in before}

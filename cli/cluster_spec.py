@@ -24,6 +24,9 @@ class ClusterSpec:
     nats_url: str = ""  # "" = start an embedded nats-server
     model: str = ""
     served_model_name: str = ""  # the router's model id for clients ("" = from the model file)
+    chat_template: str = ""  # the router's --chat-template file ("" = the model's template)
+    tool_call_parser: str = ""  # the router's --tool-call-parser
+    allowed_origins: str = ""  # the router's --allowed-origins (CORS)
     dtype: str = "auto"
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"

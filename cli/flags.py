@@ -67,6 +67,13 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
     parser.add_argument("--served-model-name", default="", metavar="NAME",
                         help="the model id clients name (default: from the model file, e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="a Jinja chat template used instead of the model's (e.g. "
+                             "shared/model/templates/chatml_tools.jinja: ChatML with tools)")
+    parser.add_argument("--tool-call-parser", default="", choices=["", "hermes", "llama3_json"],
+                        help="read tool_choice auto calls from the model's text in this format")
+    parser.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                        help="CORS on the HTTP API: * or comma-separated origins (default: none)")
     parser.add_argument("--dtype", default="auto",
                         help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB,

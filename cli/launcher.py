@@ -255,6 +255,9 @@ class Cluster:
                 "--ttft-slo-s", str(s.ttft_slo_s), "--http-host", s.http_host, "--http-port", str(self.http_port),
                 *(["--model", s.model] if s.model else []),
                 *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
+                *(["--chat-template", str(Path(s.chat_template).resolve())] if s.chat_template else []),
+                *(["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []),
+                *(["--allowed-origins", s.allowed_origins] if s.allowed_origins else []),
                 *(["--planner", "true"] if s.planner else []),
                 *(["--planner-scaler", "launcher", "--planner-max-prefill", str(s.planner_max_prefill),
                    "--planner-max-decode", str(s.planner_max_decode)] if self.scales else [])]

@@ -83,7 +83,9 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
                               routes=tuple(join), route_password=passwords.get(ROUTE_USER, "")) if join else None
     replicas = args.registry_replicas or min(3, 1 + len(join))
     return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "",
-                       served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+                       served_model_name=args.served_model_name,
+                       chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+                       allowed_origins=args.allowed_origins, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.admission_ttft,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,

@@ -92,7 +92,9 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                          "file has none (python -m shared.nats_auth env --monitor --launcher)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
     return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats_url or "", model=args.model or "",
-                       served_model_name=args.served_model_name, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+                       served_model_name=args.served_model_name,
+                       chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+                       allowed_origins=args.allowed_origins, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,

@@ -50,6 +50,7 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024   # client-facing requests
 MAX_CHUNK_BYTES = 1024 * 1024         # one TokenChunk
 MAX_CHAT_MESSAGES = 1000
 MAX_CHOICES = 16                      # GenerateRequest.n
+MAX_TOOLS = 128                       # GenerateRequest.tools
 
 PREFILL_MODES = ("auto", "remote", "local")
 
@@ -105,6 +106,9 @@ class GenerateRequest(WireModel):
     # next chunk must carry; the router continues after them as after a failover
     resume_tokens: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)
     resume_seq: int = 0
+    # chat: tools shown to the model's chat template (OpenAI's shape), and extra template variables
+    tools: list[dict] | None = wire_field(default=None, max_len=MAX_TOOLS)
+    chat_template_kwargs: dict = wire_field(default_factory=dict)
     # n > 1: n sequences of one prompt (choice i seeded seed + i when a seed is given), each its own stream of
     # chunks with ``index`` i, own seq and own final chunk; the prompt is prefilled once (choices after the first
     # start when choice 0 has its KV on a decode worker, and find it in the prefix caches). No resume.
@@ -129,6 +133,9 @@ class GenerateRequest(WireModel):
             for i, m in enumerate(self.messages):
                 require(isinstance(m.get("role"), str) and bool(m["role"]) and isinstance(m.get("content"), str),
                          f"field 'messages[{i}]': needs a non-empty str 'role' and a str 'content'")
+                require(isinstance(m.get("tool_calls", []), list), f"field 'messages[{i}].tool_calls': a list")
+        require(self.tools is None or (self.messages is not None and len(self.tools) <= MAX_TOOLS),
+                 f"field 'tools': chat messages only, at most {MAX_TOOLS}")
         if self.prompt_token_ids is not None:
             check_tokens("prompt_token_ids", self.prompt_token_ids)
         require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_S,

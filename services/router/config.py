@@ -52,6 +52,8 @@ class RouterConfig(ServiceConfig):
     http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API (and /metrics) listens here
     http_port: int = 8000  # 0 = any free port (logged), -1 = no HTTP
     api_keys: str = dataclasses.field(default="", repr=False)  # "key=tenant,..." or @file: HTTP needs a key; its tenant salts the cache
+    chat_template: str = ""  # a Jinja chat template file used instead of the model's own ("" = the model's)
+    tool_call_parser: str = ""  # how "auto" tool calls are read from the text: hermes | llama3_json ("" = none)
     allowed_origins: str = ""  # CORS for browsers: "*" or comma-separated origins; "" = no CORS headers
     user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
     migrate_on_drain: bool = True  # move the streams of a draining decode worker (live migration) instead of
@@ -87,6 +89,8 @@ class RouterConfig(ServiceConfig):
         parse_weights(self.tenant_weights)  # raises on a bad spec
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.tool_call_parser not in ("", "hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         classes = RetentionPolicy.from_spec(self.retention).ttl_s

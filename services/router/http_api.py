@@ -210,7 +210,8 @@ class HttpApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID]   # http_conventions: X-Request-Id
         sink = ChunkSink()
         req = dataclasses.replace(call.request, request_id=rid)
-        choices = [Choice(call, prompt_ids, self.router.tokenizer) for _ in range(req.n)]
+        choices = [Choice(call, prompt_ids, self.router.tokenizer, self.router.config.tool_call_parser)
+                   for _ in range(req.n)]
         task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
         try:
             if call.stream:
@@ -254,8 +255,10 @@ class HttpApi:
             choices[chunk.index].piece(chunk)
             if chunk.final:
                 finals[chunk.index] = chunk
-        bodies = [openai_api.choice_body(call, i, c.text, finals[i].finish_reason, c.logprobs())
-                  for i, c in enumerate(choices)]
+        bodies = []
+        for i, c in enumerate(choices):
+            content, calls = c.message() if call.chat else (c.text, [])
+            bodies.append(openai_api.choice_body(call, i, content, finals[i].finish_reason, c.logprobs(), calls))
         usage = openai_api.merged_usage([c.usage(finals[i].usage) for i, c in enumerate(choices)])
         return web.json_response(openai_api.full_response(call, rid, bodies, usage))
 
@@ -275,9 +278,16 @@ class HttpApi:
             text, logprobs = choice.piece(chunk)
             so_far = {"prompt_tokens": len(choice.prompt_ids), "completion_tokens": choice.completion_tokens} \
                 if call.continuous_usage else None
-            for event in openai_api.stream_events(call, rid, created, chunk, chunk.index not in started, logprobs,
+            calls = []
+            if chunk.final and call.chat and call.tools.mode != "none":   # held-back text, parsed tool calls
+                rest, calls = choice.rest()
+                text += rest
+            shown = dataclasses.replace(chunk, final=False, finish_reason=None, usage=None) if calls else chunk
+            for event in openai_api.stream_events(call, rid, created, shown, chunk.index not in started, logprobs,
                                                   text, so_far):
                 await _sse(request, response, event)
+            if calls:
+                await _sse(request, response, openai_api.tool_calls_event(call, rid, created, chunk.index, calls))
             started.add(chunk.index)
             if chunk.final:
                 usages[chunk.index] = choice.usage(chunk.usage)

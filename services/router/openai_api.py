@@ -3,7 +3,7 @@ completion / chat-completion objects and SSE chunks, errors to OpenAI's error sh
 
 Pure functions (no I/O), so every mapping is unit-tested without a server. Invariants:
 - A body is either fully translated or rejected with ``invalid_request`` naming the parameter; parameters we
-  cannot honour yet (tools, non-text content) are
+  cannot honour yet (non-text content, images) are
   rejected, never ignored, and so are parameters we do not know (a typo): a client must not believe a setting
   took effect. A parameter at its neutral value (``tools: []``, ``tool_choice: "none"``, ``response_format:
   {"type": "text"}``, ``logprobs: false``, ``best_of: 1``: what SDKs and frameworks send on every call) changes
@@ -15,6 +15,8 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
 - Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (``structured_spec``): a schema or
   grammar that does not compile is a 400 naming the problem, before any placement.
+- Tools (chat): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages in
+  the history, ``chat_template_kwargs`` (``services/router/tool_calls.py``).
 - ``n`` (1..16): that many choices, ``index`` 0..n-1 (``services/router/choices.py``); usage counts the prompt
   once and every choice's completion tokens.
 - Log-probabilities: chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` (0..20) and ``echo`` (the
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from services.router import tool_calls
 from shared import protocol
 from shared.errors import HTTP_STATUS, DeepinferError, ErrorCode, invalid
 from shared.sampling import MAX_LOGPROBS
@@ -48,11 +51,11 @@ _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_r
                "guided_grammar")
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
           "logprobs", *_STRUCTURED, *_EXTRAS}
-_KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
+_KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "tool_choice",
+               "function_call", "parallel_tool_calls", "chat_template_kwargs"}
 _KNOWN_COMPLETIONS = {"prompt", "echo", "prompt_logprobs"}
 # not served yet: accepted only at a value that changes nothing (or null); anything else is a 400 naming it
-_NEUTRAL = {"best_of": (1,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-            "parallel_tool_calls": (True, False), "echo": (False,), "top_logprobs": (0,),
+_NEUTRAL = {"best_of": (1,), "echo": (False,), "top_logprobs": (0,),
             "suffix": ("",)}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 502: "server_error",
@@ -72,6 +75,7 @@ class ApiCall:
     echo: bool = False       # completions: the prompt's text (and logprobs) before the completion
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not shown
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every streamed chunk
+    tools: tool_calls.ToolPlan = tool_calls.ToolPlan(None, None, "none")   # chat: tools and how to read them
 
 
 def _get(body: dict, name: str, kinds, default=None):
@@ -98,7 +102,9 @@ def _stop(body: dict) -> list[str]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """A body's ``messages`` as plain ``{role, content}`` text messages (``invalid_request`` naming the bad one)."""
+    """A body's ``messages`` as plain text messages (``invalid_request`` naming the bad one): ``{role, content}``,
+    an assistant's ``tool_calls`` (``content`` may then be null; arguments parsed from their JSON text, as chat
+    templates expect) and a tool result's ``tool_call_id`` / ``name``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("parameter 'messages' must be a non-empty list")
@@ -114,9 +120,37 @@ def chat_messages(body: dict) -> list[dict]:
                     raise invalid(f"parameter 'messages[{i}].content': only text parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
+        calls = m.get("tool_calls")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise invalid(f"parameter 'messages[{i}].content' must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = _tool_calls_in(calls, i)
+        for name in ("tool_call_id", "name"):
+            if isinstance(m.get(name), str):
+                message[name] = m[name]
+        out.append(message)
+    return out
+
+
+def _tool_calls_in(calls, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise invalid(f"parameter 'messages[{i}].tool_calls' must be a list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"parameter 'messages[{i}].tool_calls': each needs a function with a name")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise invalid(f"parameter 'messages[{i}].tool_calls': arguments are not JSON") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
 
@@ -165,8 +199,16 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     if user_cache_salt and user and "cache_salt" not in fields:
         fields["cache_salt"] = user
     spec = structured_spec(body)
+    plan = tool_calls.plan(body) if chat else tool_calls.ToolPlan(None, None, "none")
+    if plan.structured is not None and spec is not None:
+        raise invalid("parameters 'tool_choice' and the structured-output constraint: give one of them")
+    spec = spec or plan.structured
     if spec is not None:
         fields["structured"] = spec
+    if plan.tools:
+        fields["tools"] = plan.tools
+    if chat and body.get("chat_template_kwargs") is not None:
+        fields["chat_template_kwargs"] = _get(body, "chat_template_kwargs", dict, {})
     logprobs, echo = _logprobs(body, chat, fields), bool(not chat and _get(body, "echo", bool, False))
     if echo and logprobs:
         fields.setdefault("prompt_logprobs", fields["logprobs"])   # echo + logprobs: the prompt's too (vLLM)
@@ -177,7 +219,7 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
         stop=_stop(body), **fields)
     return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
-                   prompt_only, bool(options.get("continuous_usage_stats")))
+                   prompt_only, bool(options.get("continuous_usage_stats")), plan)
 
 
 def structured_spec(body: dict) -> dict | None:
@@ -272,11 +314,16 @@ def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | No
     return {**_head(call, rid, int(time.time()), False), "choices": choices, "usage": usage_block(usage)}
 
 
-def choice_body(call: ApiCall, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    """One choice of a non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``)."""
+def choice_body(call: ApiCall, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                calls: list[dict] | None = None) -> dict:
+    """One choice of a non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``);
+    ``calls``: the tool calls (``finish_reason`` is then ``tool_calls``)."""
     if call.chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+            finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -302,6 +349,13 @@ def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenCh
     if usage is not None:
         event["usage"] = usage_block(usage)
     return [event]
+
+
+def tool_calls_event(call: ApiCall, rid: str, created: int, index: int, calls: list[dict]) -> dict:
+    """A streamed choice's tool calls, each whole in one delta, and ``finish_reason: tool_calls``."""
+    deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+    return {**_head(call, rid, created, True), "choices": [{"index": index, "delta": {"tool_calls": deltas},
+                                                            "logprobs": None, "finish_reason": "tool_calls"}]}
 
 
 def usage_event(call: ApiCall, rid: str, created: int, usage: dict) -> dict:

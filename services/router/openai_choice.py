@@ -7,16 +7,18 @@ dropped (text, logprobs and ``completion_tokens``): the prompt alone was scored.
 """
 from __future__ import annotations
 
-from services.router import openai_logprobs
+from services.router import openai_logprobs, tool_calls
 from services.router.openai_api import ApiCall
 from services.router.openai_logprobs import LogprobRows
 from shared import protocol
 
 
 class Choice:
-    def __init__(self, call: ApiCall, prompt_ids: list[int] | None, tokenizer) -> None:
-        """``prompt_ids``: the prompt's token ids (needed with ``echo``: its text and logprob rows)."""
-        self.call, self.tokenizer = call, tokenizer
+    def __init__(self, call: ApiCall, prompt_ids: list[int] | None, tokenizer, tool_parser: str = "") -> None:
+        """``prompt_ids``: the prompt's token ids (needed with ``echo``: its text and logprob rows);
+        ``tool_parser``: the deployment's ``--tool-call-parser``."""
+        self.call, self.tokenizer, self.tool_parser = call, tokenizer, tool_parser
+        self._streamed = 0        # characters of the text already streamed (tools may hold the rest back)
         self.prompt_ids = prompt_ids or []
         self.parts: list[str] = []
         self.rows = LogprobRows()
@@ -40,6 +42,7 @@ class Choice:
             if self.call.logprobs and chunk.logprobs is not None:
                 rows.add(chunk.token_ids, chunk.logprobs)
         self.parts.append(text)
+        text = self._streamable(text)
         for name in ("token_ids", "logprobs", "top"):
             getattr(self.rows, name).extend(getattr(rows, name))
         if not self.call.logprobs:
@@ -49,6 +52,41 @@ class Choice:
         shaped = openai_logprobs.completion(rows, self.tokenizer, self._offset)
         self._offset += openai_logprobs.text_length(rows, self.tokenizer)
         return text, shaped
+
+    def _streamable(self, text: str) -> str:
+        """What of the text so far may stream now: all of it without tools; with ``required`` or a named function
+        nothing (it is the calls' JSON); with ``auto`` and a parser, what comes before a call could begin."""
+        plan = self.call.tools
+        if plan.mode == "none" or (plan.mode == "auto" and not self.tool_parser):
+            self._streamed += len(text)
+            return text
+        if plan.mode != "auto":
+            return ""
+        full = self.text
+        marker = tool_calls.START_MARKERS[self.tool_parser]
+        if self.tool_parser == "llama3_json":
+            stripped = full.lstrip()
+            safe = 0 if not stripped or stripped[0] in "{<" else len(full)
+        else:
+            at = full.find(marker)
+            safe = at if at >= 0 else len(full)
+            for keep in range(min(len(marker) - 1, len(full)), 0, -1):   # a marker's start at the very end
+                if at < 0 and full.endswith(marker[:keep]):
+                    safe = len(full) - keep
+                    break
+        out, self._streamed = full[self._streamed:max(safe, self._streamed)], max(safe, self._streamed)
+        return out
+
+    def message(self) -> tuple[str | None, list[dict]]:
+        """The finished choice's ``(content, tool_calls)``."""
+        return tool_calls.read(self.call.tools, self.tool_parser, self.text)
+
+    def rest(self) -> tuple[str, list[dict]]:
+        """At the end of a stream: the content not streamed yet, and the tool calls."""
+        content, calls = self.message()
+        if not calls:
+            return self.text[self._streamed:], []
+        return (content or "")[self._streamed:], calls
 
     def echo_text(self) -> str:
         prompt = self.call.request.prompt

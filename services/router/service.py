@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 
 from shared.model.locate import served_model_name
 from shared.host_identity import host_id
@@ -84,6 +85,8 @@ class RouterService(Service):
         c = self.config
         logger.info("starting %s with %s", c.worker_id, c)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, c.model or None)
+        if c.chat_template:   # --chat-template: the deployment's template instead of the model's
+            self.tokenizer.chat_template = Path(c.chat_template).read_text(encoding="utf-8")
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password, on_reconnected=self.table.router_reconnected)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role="router", model_id="", host=host_id(c.host_id),

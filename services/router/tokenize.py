@@ -24,7 +24,13 @@ def prompt_token_ids(tokenizer: Tokenizer, req: protocol.GenerateRequest) -> lis
         for m in req.messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise invalid("each chat message needs string 'role' and 'content'")
-        text = tokenizer.apply_chat_template(req.messages)
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(req.chat_template_kwargs)
+        if reserved:
+            raise invalid(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        extra = dict(req.chat_template_kwargs)
+        if req.tools:
+            extra["tools"] = req.tools
+        text = tokenizer.apply_chat_template(req.messages, **extra)
     else:
         text = req.prompt
     ids = tokenizer.encode(text)

@@ -76,7 +76,9 @@ def test_sampling_controls_reach_the_request():
 @pytest.mark.parametrize("extra, named", [
     ({"logit_bias": {str(i): 1 for i in range(10**6)}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g' is not among the tools"),
     ({"response_format": {"type": "json_schema"}}, "response_format"), ({"top_logprobs": 50}, "top_logprobs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "json_schema"), ({"guided_regex": "a(b"}, "regex"), ({"guided_choice": []}, "choices"),

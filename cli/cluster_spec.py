@@ -27,6 +27,7 @@ class ClusterSpec:
     chat_template: str = ""  # the router's --chat-template file ("" = the model's template)
     tool_call_parser: str = ""  # the router's --tool-call-parser
     allowed_origins: str = ""  # the router's --allowed-origins (CORS)
+    reasoning_parser: str = ""  # the router's --reasoning-parser
     dtype: str = "auto"
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"

@@ -72,6 +72,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                              "shared/model/templates/chatml_tools.jinja: ChatML with tools)")
     parser.add_argument("--tool-call-parser", default="", choices=["", "hermes", "llama3_json"],
                         help="read tool_choice auto calls from the model's text in this format")
+    parser.add_argument("--reasoning-parser", default="", choices=["", "deepseek_r1", "qwen3"],
+                        help="return <think>...</think> as the chat message's reasoning_content")
     parser.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                         help="CORS on the HTTP API: * or comma-separated origins (default: none)")
     parser.add_argument("--dtype", default="auto",

@@ -258,6 +258,7 @@ class Cluster:
                 *(["--chat-template", str(Path(s.chat_template).resolve())] if s.chat_template else []),
                 *(["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []),
                 *(["--allowed-origins", s.allowed_origins] if s.allowed_origins else []),
+                *(["--reasoning-parser", s.reasoning_parser] if s.reasoning_parser else []),
                 *(["--planner", "true"] if s.planner else []),
                 *(["--planner-scaler", "launcher", "--planner-max-prefill", str(s.planner_max_prefill),
                    "--planner-max-decode", str(s.planner_max_decode)] if self.scales else [])]

@@ -54,6 +54,7 @@ class RouterConfig(ServiceConfig):
     api_keys: str = dataclasses.field(default="", repr=False)  # "key=tenant,..." or @file: HTTP needs a key; its tenant salts the cache
     chat_template: str = ""  # a Jinja chat template file used instead of the model's own ("" = the model's)
     tool_call_parser: str = ""  # how "auto" tool calls are read from the text: hermes | llama3_json ("" = none)
+    reasoning_parser: str = ""  # <think>...</think> into reasoning_content: deepseek_r1 | qwen3 ("" = none)
     allowed_origins: str = ""  # CORS for browsers: "*" or comma-separated origins; "" = no CORS headers
     user_cache_salt: bool = False  # no API keys: the OpenAI ``user`` field salts the cache (per-user prefix caches)
     migrate_on_drain: bool = True  # move the streams of a draining decode worker (live migration) instead of
@@ -91,6 +92,8 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.tool_call_parser not in ("", "hermes", "llama3_json"):
             raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("", "deepseek_r1", "qwen3"):
+            raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         classes = RetentionPolicy.from_spec(self.retention).ttl_s

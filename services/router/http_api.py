@@ -210,7 +210,8 @@ class HttpApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID]   # http_conventions: X-Request-Id
         sink = ChunkSink()
         req = dataclasses.replace(call.request, request_id=rid)
-        choices = [Choice(call, prompt_ids, self.router.tokenizer, self.router.config.tool_call_parser)
+        config = self.router.config
+        choices = [Choice(call, prompt_ids, self.router.tokenizer, config.tool_call_parser, config.reasoning_parser)
                    for _ in range(req.n)]
         task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
         try:
@@ -258,7 +259,8 @@ class HttpApi:
         bodies = []
         for i, c in enumerate(choices):
             content, calls = c.message() if call.chat else (c.text, [])
-            bodies.append(openai_api.choice_body(call, i, content, finals[i].finish_reason, c.logprobs(), calls))
+            bodies.append(openai_api.choice_body(call, i, content, finals[i].finish_reason, c.logprobs(), calls,
+                                                 c.reasoning))
         usage = openai_api.merged_usage([c.usage(finals[i].usage) for i, c in enumerate(choices)])
         return web.json_response(openai_api.full_response(call, rid, bodies, usage))
 
@@ -284,7 +286,7 @@ class HttpApi:
                 text += rest
             shown = dataclasses.replace(chunk, final=False, finish_reason=None, usage=None) if calls else chunk
             for event in openai_api.stream_events(call, rid, created, shown, chunk.index not in started, logprobs,
-                                                  text, so_far):
+                                                  text, so_far, choice.last_reasoning):
                 await _sse(request, response, event)
             if calls:
                 await _sse(request, response, openai_api.tool_calls_event(call, rid, created, chunk.index, calls))

@@ -315,11 +315,13 @@ def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | No
 
 
 def choice_body(call: ApiCall, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                calls: list[dict] | None = None) -> dict:
+                calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     """One choice of a non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``);
     ``calls``: the tool calls (``finish_reason`` is then ``tool_calls``)."""
     if call.chat:
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
             finish_reason = "tool_calls"
@@ -334,7 +336,8 @@ def merged_usage(usages: list[dict | None]) -> dict:
 
 
 def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenChunk, first: bool,
-                  logprobs: dict | None = None, text: str | None = None, usage: dict | None = None) -> list[dict]:
+                  logprobs: dict | None = None, text: str | None = None, usage: dict | None = None,
+                  reasoning: str = "") -> list[dict]:
     """SSE payloads for one token chunk of choice ``chunk.index`` (the caller appends ``usage_event`` and
     ``[DONE]``); ``logprobs`` in the API's shape, ``text`` when it is not the chunk's own (an echoed prompt),
     ``usage`` (``continuous_usage_stats``) the choice's so far."""
@@ -342,6 +345,8 @@ def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenCh
     text = chunk.text if text is None else text
     if call.chat:
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": chunk.index, "text": text, "logprobs": logprobs, "finish_reason": finish}

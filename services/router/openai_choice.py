@@ -10,14 +10,20 @@ from __future__ import annotations
 from services.router import openai_logprobs, tool_calls
 from services.router.openai_api import ApiCall
 from services.router.openai_logprobs import LogprobRows
+from services.router.reasoning import ReasoningSplit
 from shared import protocol
 
 
 class Choice:
-    def __init__(self, call: ApiCall, prompt_ids: list[int] | None, tokenizer, tool_parser: str = "") -> None:
+    def __init__(self, call: ApiCall, prompt_ids: list[int] | None, tokenizer, tool_parser: str = "",
+                 reasoning_parser: str = "") -> None:
         """``prompt_ids``: the prompt's token ids (needed with ``echo``: its text and logprob rows);
-        ``tool_parser``: the deployment's ``--tool-call-parser``."""
+        ``tool_parser`` / ``reasoning_parser``: the deployment's ``--tool-call-parser`` / ``--reasoning-parser``
+        (chat only; the reasoning goes to ``reasoning``, tool calls are read from the content after it)."""
         self.call, self.tokenizer, self.tool_parser = call, tokenizer, tool_parser
+        self.thinking = ReasoningSplit(reasoning_parser) if reasoning_parser and call.chat else None
+        self.reasoning_parts: list[str] = []
+        self.last_reasoning = ""  # the reasoning the last piece added (streamed as reasoning_content)
         self._streamed = 0        # characters of the text already streamed (tools may hold the rest back)
         self.prompt_ids = prompt_ids or []
         self.parts: list[str] = []
@@ -37,7 +43,15 @@ class Choice:
         elif chunk.prompt_logprobs is not None and not self.call.chat and self.call.logprobs:
             rows.add_prompt(self.prompt_ids, chunk.prompt_logprobs)    # prompt_logprobs without echo
         if not self.call.prompt_only:
-            text += chunk.text
+            piece = chunk.text
+            if self.thinking is not None:
+                reasoning, piece = self.thinking.feed(piece)
+                if chunk.final:
+                    more_reasoning, more = self.thinking.finish()
+                    reasoning, piece = reasoning + more_reasoning, piece + more
+                self.reasoning_parts.append(reasoning)
+                self.last_reasoning = reasoning
+            text += piece
             self.completion_tokens += len(chunk.token_ids)
             if self.call.logprobs and chunk.logprobs is not None:
                 rows.add(chunk.token_ids, chunk.logprobs)
@@ -80,6 +94,11 @@ class Choice:
     def message(self) -> tuple[str | None, list[dict]]:
         """The finished choice's ``(content, tool_calls)``."""
         return tool_calls.read(self.call.tools, self.tool_parser, self.text)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The finished choice's reasoning (None without a reasoning parser or when the model did not think)."""
+        return "".join(self.reasoning_parts) if self.thinking is not None and self.thinking.thought else None
 
     def rest(self) -> tuple[str, list[dict]]:
         """At the end of a stream: the content not streamed yet, and the tool calls."""

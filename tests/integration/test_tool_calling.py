@@ -102,3 +102,24 @@ async def test_an_agent_loop_finds_its_previous_turns_cached(nats_server, folder
         await api.close()
     logger.warning("agent loop, per turn (prompt_tokens, cached_tokens): %s", turns)
     assert all(cached >= prev_prompt - 16 for (_, cached), (prev_prompt, _) in zip(turns[1:], turns))
+
+
+async def test_reasoning_content_is_split_from_the_answer(nats_server, folder):
+    """--reasoning-parser qwen3; the output forced into a think-then-answer shape by a guided regex."""
+    import aiohttp
+    body = {"messages": [{"role": "user", "content": "think, then answer"}], "max_tokens": 40, "temperature": 0,
+            "guided_regex": "<think>[a-z]{3,6}</think>[a-z]{2,5}"}
+    async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0, "reasoning_parser": "qwen3"}) \
+            as cluster:
+        url = f"http://127.0.0.1:{cluster.router.http.port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json=body) as resp:
+                message = (await resp.json())["choices"][0]["message"]
+            async with s.post(url, json={**body, "stream": True}) as resp:
+                events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                          if line.startswith("data: {")]
+    assert 3 <= len(message["reasoning_content"]) <= 6 and message["reasoning_content"].isalpha()
+    assert 2 <= len(message["content"]) <= 5 and "<" not in message["content"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]

@@ -32,6 +32,9 @@ class _SamplingChecks:
         check_id("cache_salt", self.cache_salt, allow_empty=True)
         check_id("retention", self.retention)
         check_tokens("prompt_token_ids", self.prompt_token_ids)
+        check_tokens("prior_output_ids", getattr(self, "prior_output_ids", []), allow_empty=True)
+        require(len(self.prompt_token_ids) + len(getattr(self, "prior_output_ids", [])) <= MAX_PROMPT_TOKENS,
+                f"fields 'prompt_token_ids' + 'prior_output_ids': more than {MAX_PROMPT_TOKENS} tokens")
         check_subject("reply_to", self.reply_to)
         check_fingerprint("model_fingerprint", self.model_fingerprint)
         if self.router_id:
@@ -55,6 +58,9 @@ class PrefillRequest(WireModel, _SamplingChecks):
     model_fingerprint: str = ""     # the build the router placed it for (shared/model/fingerprint.py)
     router_id: str = ""             # the router relaying the stream ("" = none watched; services/worker/router_watch.py)
     router_instance: str = ""       # that router process's LoadReport.instance: another one = the relay is gone
+    # a continuation (failover, resume): the tokens the client already has; the engine computes their KV with the
+    # prompt's and treats them as output (max_tokens, min_tokens, penalties and grammars count them)
+    prior_output_ids: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)
 
     def _check(self) -> None:
         self._check_common()
@@ -168,6 +174,7 @@ class DecodeLocalRequest(WireModel, _SamplingChecks):
     model_fingerprint: str = ""
     router_id: str = ""             # as in PrefillRequest
     router_instance: str = ""
+    prior_output_ids: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)  # as in PrefillRequest
 
     def _check(self) -> None:
         self._check_common()

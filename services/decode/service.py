@@ -57,7 +57,7 @@ class DecodeService(Worker):
                                      req.dtype, req.model_fingerprint, req.generator_state, req.first_block)
         else:
             eng.kv_port.check_model(req.model_fingerprint, "the decode request", allow_any=True)
-            eng.validate(req.prompt_token_ids, params)
+            eng.validate([*req.prompt_token_ids, *req.prior_output_ids], params)
         deadline = asyncio.get_running_loop().time() + req.deadline_s  # the request's, as the router set it
         await self.track(rid, req.reply_to, req.router_id, req.router_instance)
         acked = False
@@ -86,10 +86,12 @@ class DecodeService(Worker):
                                              "tier_cached_tokens": req.tier_cached_tokens}
             else:
                 await ack()  # accepted now: an engine step in progress may take seconds to end
-                pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
+                known = [*req.prompt_token_ids, *req.prior_output_ids]   # a continuation's delivered tokens too
+                pulled = await self.tier_pull(known, req.cache_salt, req.retention)
                 pin = hold and self.tier is not None  # the prompt's window, for its write-back at the first token
-                submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
-                    req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold, pin_prompt_window=pin), imported)
+                submit = self.with_tier(pulled, known, req.cache_salt, lambda: eng.add_request(
+                    req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold, pin_prompt_window=pin,
+                    prior_output_ids=req.prior_output_ids), imported)
                 seq, extra = 0, {}
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
             try:

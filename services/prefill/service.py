@@ -36,7 +36,7 @@ class PrefillService(Worker):
         params = req.sampling
         if req.transport not in self.transports:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
-        self.engine.validate(req.prompt_token_ids, params)
+        self.engine.validate([*req.prompt_token_ids, *req.prior_output_ids], params)
         await msg.respond(protocol.encode(protocol.Ack()))
         rid = req.request_id
         deadline = time.monotonic() + req.deadline_s  # the rest of it travels in the hand-off
@@ -67,10 +67,12 @@ class PrefillService(Worker):
         rid, eng = req.request_id, self.engine
         t0 = time.perf_counter()
         one = dataclasses.replace(params, prefill_only=True)   # the first token, KV held for the hand-off
-        pulled = await self.tier_pull(req.prompt_token_ids, req.cache_salt, req.retention)
+        known = [*req.prompt_token_ids, *req.prior_output_ids]   # a continuation's delivered tokens too
+        pulled = await self.tier_pull(known, req.cache_salt, req.retention)
         imported: list[int] = []
-        submit = self.with_tier(pulled, req.prompt_token_ids, req.cache_salt, lambda: eng.add_request(
-            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True), imported)
+        submit = self.with_tier(pulled, known, req.cache_salt, lambda: eng.add_request(
+            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True, prior_output_ids=req.prior_output_ids),
+            imported)
         outs = [o async for o in self.aengine.run(rid, submit, 2)]
         final = outs[-1]
         computed_from[0] = final.num_cached_tokens // eng.config.block_size
@@ -88,11 +90,12 @@ class PrefillService(Worker):
         t_handoff = time.perf_counter()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
         # the cache itself, or a packed copy (KV groups: window rows only where the first decode query looks)
-        cache, staged, mask = await self.kv_source(rid, ids, len(req.prompt_token_ids))
+        cache, staged, mask = await self.kv_source(rid, ids, len(known))
         handle = await transport.stage_blocks(cache, staged, rid)  # gathers straight into staging
         try:
             handoff = protocol.KVHandoff(
                 request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=final.new_token_ids[0],
+                prior_output_ids=req.prior_output_ids,
                 sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
                 block_shape=eng.kv_port.block_shape, dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,

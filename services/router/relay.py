@@ -148,21 +148,20 @@ class Relay:
                     request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
                     usage=stream.whole_usage({}, len(stream.delivered), attempt)))
                 return
-            params = dataclasses.replace(params, max_tokens=left, prompt_logprobs=None,   # the client has them
-                                         min_tokens=max(0, params.min_tokens - len(stream.delivered)))
-            prompt = prompt + stream.delivered
+            params = dataclasses.replace(params, prompt_logprobs=None)   # the client has them
+        prior = list(stream.delivered)   # the engine recomputes their KV and counts them as output
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request
         work_id = attempt_id(stream.rid, attempt)
         prefill_w, decode_w, transport, build = self.placer.place(
-            work_id, prompt, params.max_tokens, req.cache_salt, req.prefill_mode, req.transport,
+            work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
             exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
         stream.fingerprint = build
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
         computing = prefill_w or decode_w       # a sibling's prompt KV there: only the rest is prefill work
         held = stream.holders.get(computing.report.worker_id, 0) // max(1, computing.report.block_size)
-        account = InflightAccount(prefill_w, decode_w, len(prompt) - held * computing.report.block_size)
+        account = InflightAccount(prefill_w, decode_w, len(prompt) + len(prior) - held * computing.report.block_size)
         stream.attempt = Attempt(work_id, prefill_w, decode_w, account)
         finished = False
         try:
@@ -173,13 +172,15 @@ class Relay:
                                                decode_worker=decode_w.report.worker_id, transport=transport,
                                                reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
                                                retention=req.retention, model_fingerprint=build,
-                                               router_id=self.router_id, router_instance=self.router_instance)
+                                               router_id=self.router_id, router_instance=self.router_instance,
+                                               prior_output_ids=prior)
             else:
                 target = decode_w
                 work = protocol.DecodeLocalRequest(request_id=work_id, prompt_token_ids=prompt, sampling=params,
                                                    reply_to=inbox, cache_salt=req.cache_salt, deadline_s=deadline_s,
                                                    retention=req.retention, model_fingerprint=build,
-                                                   router_id=self.router_id, router_instance=self.router_instance)
+                                                   router_id=self.router_id, router_instance=self.router_instance,
+                                                   prior_output_ids=prior)
             await self._dispatch(target, work)
             finished = await self._relay(sub, stream, stream.attempt, attempt)
         finally:

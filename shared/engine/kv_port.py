@@ -172,11 +172,12 @@ class KVPort:
         return bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else b""
 
     def prompt_block_ids(self, request_id: str) -> list[int]:
-        """The blocks holding a held request's prompt KV, in prompt order."""
+        """The blocks holding a held request's KV (prompt and any prior outputs: every token but the newest), in
+        order."""
         req = self.held.get(request_id)
         if req is None:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
-        return self._bm.block_ids(request_id)[:-(-req.num_prompt_tokens // self.engine.config.block_size)]
+        return self._bm.block_ids(request_id)[:-(-(req.num_tokens - 1) // self.engine.config.block_size)]
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""

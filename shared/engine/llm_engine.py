@@ -96,16 +96,25 @@ class LLMEngine:
             raise DeepinferError(ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens = {total} tokens {reason}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str = "", hold_kv: bool = False, pin_prompt_window: bool = False) -> str:
+                    cache_salt: str = "", hold_kv: bool = False, pin_prompt_window: bool = False,
+                    prior_output_ids: list[int] = ()) -> str:
         """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``KVPort.release_held``).
         ``pin_prompt_window``: with SWA-aware KV, keep the window rows the prompt's prefill left until the caller
-        lifts it (``Request.window_pin``; ``HybridBlockManager.pinned``), for a copy of the prompt to the tier."""
+        lifts it (``Request.window_pin``; ``HybridBlockManager.pinned``), for a copy of the prompt to the tier.
+        ``prior_output_ids``: a continuation's delivered tokens (failover, resume): computed with the prompt, as a
+        recompute after preemption would, and counted as output by every stop rule and logits processor."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
         params = self.resolve(params)
-        self.validate(prompt_token_ids, params)
+        self.validate([*prompt_token_ids, *prior_output_ids], params)
+        if len(prior_output_ids) >= params.max_tokens:
+            raise invalid(f"{len(prior_output_ids)} prior output tokens leave none of max_tokens {params.max_tokens}")
         req = self.new_request(request_id, prompt_token_ids, params, cache_salt)
+        for token in prior_output_ids:   # as KVPort.import_running: stop tokens are not fed to the detokenizer
+            req.append_token(token)
+            if req.detokenizer is not None and not self.is_stop_token(token, params):
+                req.output_text += req.detokenizer.feed(token)
         req.hold_kv = hold_kv
         if pin_prompt_window and not self.kv_port.stages_in_place:
             req.window_pin = 0       # follows the prefill chunks (HybridBlockManager.allocate_slots)

@@ -3,6 +3,7 @@ prefill forced remote): the official ``openai`` client's ``beta.chat.completions
 ``json_object`` streamed, vLLM's ``guided_*`` fields; a stream moved mid-object by live migration and one decoded
 speculatively (drafts checked against the grammar) equal the uninterrupted greedy run, and every output
 validates; an invalid schema is a 400 before any placement."""
+import asyncio
 import json
 
 import jsonschema
@@ -90,3 +91,41 @@ async def test_a_migrated_and_a_speculative_stream_equal_the_uninterrupted_objec
         finally:
             await nc.close()
     assert ids == twin and usage.get("spec_drafted_tokens", 0) > 0
+
+
+async def test_a_sigkilled_decode_worker_mid_object_fails_over_to_the_same_valid_object(nats_server, tmp_path):
+    """Real processes: the decode worker holding a long constrained stream dies by SIGKILL; the stream goes on
+    elsewhere from prompt + delivered tokens, the new engine's matcher replays them, and the object equals the
+    uninterrupted run's and validates."""
+    from cli.launcher import Cluster, ClusterSpec
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.sampling import SamplingParams
+    folder = write_tiny_hf_folder(tmp_path / "tiny", seed=9, max_position_embeddings=4096)
+    schema = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 9},
+                                                          "minItems": 900, "maxItems": 900}},
+              "required": ["values"], "additionalProperties": False}
+    spec = {"type": "json_schema", "schema": schema}
+    prompts = [[5 + i, 6, 7, 8] * 10 for i in range(4)]
+    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=2000,
+                                                           enable_prefix_caching=False))
+    expected = engine.generate(prompts, SamplingParams(max_tokens=2000, temperature=0.0, structured=spec))
+    cluster = Cluster(ClusterSpec(prefill=1, decode=2, nats_url=nats_server.url, model=str(folder), kv_cache_mb=64,
+                                  local_prefill_threshold=0, dtype="float64"))
+    await cluster.start()
+    try:
+        nc = await connect(nats_server.url)
+        tasks = [asyncio.create_task(generate(nc, protocol.GenerateRequest(
+            request_id=f"obj-{i}", prompt_token_ids=p, max_tokens=2000, temperature=0.0, timeout_s=90.0,
+            structured=spec))) for i, p in enumerate(prompts)]
+        await asyncio.sleep(2.0)               # streams are flowing on both decode workers
+        cluster.kill("decode-0")
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=100)
+        await nc.close()
+    finally:
+        cluster.stop()
+    assert any(usage["failovers"] for _, _, usage in results), "some stream was on the killed worker"
+    for (ids, text, _), want in zip(results, expected):
+        assert ids == want
+        jsonschema.validate(json.loads(text), schema)

@@ -122,7 +122,8 @@ class KVHandoff(WireModel, _SamplingChecks):
                  "field 'block_shape': must be a non-empty list of positive ints")
         check_one_of("dtype", self.dtype, DTYPES)
         require(bool(self.transport), "field 'transport': must not be empty")
-        check_range("num_cached_tokens", self.num_cached_tokens, 0, len(self.prompt_token_ids))
+        check_range("num_cached_tokens", self.num_cached_tokens, 0,
+                    len(self.prompt_token_ids) + len(self.prior_output_ids))
         check_range("tier_cached_tokens", self.tier_cached_tokens, 0, self.num_cached_tokens)
         check_range("ttft_ms", self.ttft_ms, 0.0)
         require(math.isfinite(self.deadline_s), "field 'deadline_s': must be finite")

@@ -151,7 +151,7 @@ async def test_a_rolling_upgrade_under_load_loses_nothing(nats_server, builds, e
         real_add = new.engine.add_request
 
         def recording_add(prompt, params, request_id=None, *args, **kwargs):
-            admitted[request_id] = len(prompt) - len(PROMPT)
+            admitted[request_id] = len(kwargs.get("prior_output_ids", ()))   # the delivered tokens it continues
             return real_add(prompt, params, request_id, *args, **kwargs)
 
         new.engine.add_request = recording_add

@@ -315,7 +315,7 @@ def test_generate_request_semantic_rejections(fields):
     ("TokenChunk", {"final": True, "error": {"code": 1}}), ("CancelRequest", {"request_id": ""}),
     ("PrefillRequest", {"decode_worker": "a.b"}), ("PrefillRequest", {"reply_to": "_INBOX.*"}),
     ("PrefillRequest", {"deadline_s": float("inf")}), ("KVHandoff", {"dtype": "torch.float32"}),
-    ("KVHandoff", {"num_cached_tokens": 4}), ("KVHandoff", {"block_shape": []}),
+    ("KVHandoff", {"num_cached_tokens": 6}), ("KVHandoff", {"block_shape": []}),
     ("KVHandoff", {"transport": ""}), ("KVHandoff", {"first_token": -3}),
     ("LoadReport", {"worker_id": "w 1"}), ("LoadReport", {"role": "boss"}), ("LoadReport", {"kv_usage": 1.5}),
     ("WorkerInfo", {"worker_id": "w>"}), ("KVEvent", {"kind": "moved"}), ("ErrorReply", {"code": ""}),

@@ -25,6 +25,8 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
   (``shared/logprobs.py``), shapes in ``openai_logprobs``.
 - deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
   ``speculative``, ``prefill_mode``, ``cache_salt``, ``timeout_s``.
+- ``model`` in every response is the request's, else the served model id; ``return_token_ids`` (vLLM's) adds
+  the prompt's ``prompt_token_ids`` and each choice's ``token_ids``.
 - ``completion_tokens`` of the usage block is the number of tokens the client received.
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": 
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar")
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
-          "logprobs", *_STRUCTURED, *_EXTRAS}
+          "logprobs", "return_token_ids", *_STRUCTURED, *_EXTRAS}
 _KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "tool_choice",
                "function_call", "parallel_tool_calls", "chat_template_kwargs"}
 _KNOWN_COMPLETIONS = {"prompt", "echo", "prompt_logprobs"}
@@ -76,6 +78,7 @@ class ApiCall:
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not shown
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every streamed chunk
     tools: tool_calls.ToolPlan = tool_calls.ToolPlan(None, None, "none")   # chat: tools and how to read them
+    return_token_ids: bool = False  # vLLM's: the prompt's ids on the response, each choice's output ids
 
 
 def _get(body: dict, name: str, kinds, default=None):
@@ -219,7 +222,8 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
         stop=_stop(body), **fields)
     return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
-                   prompt_only, bool(options.get("continuous_usage_stats")), plan)
+                   prompt_only, bool(options.get("continuous_usage_stats")), plan,
+                   _get(body, "return_token_ids", bool, False))
 
 
 def structured_spec(body: dict) -> dict | None:
@@ -309,9 +313,14 @@ def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": call.model}
 
 
-def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | None) -> dict:
-    """The non-streaming answer; ``choices`` from ``choice_body``, in index order."""
-    return {**_head(call, rid, int(time.time()), False), "choices": choices, "usage": usage_block(usage)}
+def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | None,
+                  prompt_token_ids: list[int] | None = None) -> dict:
+    """The non-streaming answer; ``choices`` from ``choice_body``, in index order (``return_token_ids``: the
+    prompt's ids too)."""
+    answer = {**_head(call, rid, int(time.time()), False), "choices": choices, "usage": usage_block(usage)}
+    if call.return_token_ids:
+        answer["prompt_token_ids"] = prompt_token_ids
+    return answer
 
 
 def choice_body(call: ApiCall, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
@@ -350,6 +359,8 @@ def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenCh
         choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": chunk.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if call.return_token_ids:
+        choice["token_ids"] = list(chunk.token_ids)
     event = {**_head(call, rid, created, True), "choices": [choice]}
     if usage is not None:
         event["usage"] = usage_block(usage)

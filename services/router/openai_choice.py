@@ -31,6 +31,7 @@ class Choice:
         self._echoed = not call.echo
         self._offset = 0          # completions' text_offset of the next streamed piece
         self.completion_tokens = 0  # the generated tokens this choice shows so far
+        self.token_ids: list[int] = []  # and their ids (return_token_ids)
 
     def piece(self, chunk: protocol.TokenChunk) -> tuple[str, dict | None]:
         """The text and logprobs (API shape; None when not asked) ``chunk`` adds."""
@@ -53,6 +54,7 @@ class Choice:
                 self.last_reasoning = reasoning
             text += piece
             self.completion_tokens += len(chunk.token_ids)
+            self.token_ids += chunk.token_ids
             if self.call.logprobs and chunk.logprobs is not None:
                 rows.add(chunk.token_ids, chunk.logprobs)
         self.parts.append(text)

@@ -247,6 +247,12 @@ async def test_endpoints_and_conventions(nats_server, folder, engine):
                 [model] = (await resp.json())["data"]
             assert model["owned_by"] == "deepinfer" and model["created"] > 1.7e9 and model["max_model_len"] == 1024
 
+            async with s.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                                                             "ignore_eos": True, "return_token_ids": True}) as resp:
+                done = await resp.json()
+            assert done["model"] == model["id"]                          # named though the request left it out
+            assert done["prompt_token_ids"] == got["tokens"] and len(done["choices"][0]["token_ids"]) == 5
+            assert engine.tokenizer.decode(done["choices"][0]["token_ids"]) == done["choices"][0]["text"]
             headers = {"X-Request-Id": "trace-42", "Origin": origin}
             async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers) as resp:
                 assert resp.headers["X-Request-Id"] == "trace-42" and (await resp.json())["id"] == "cmpl-trace-42"

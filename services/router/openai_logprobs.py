@@ -26,18 +26,20 @@ class LogprobRows:
 
     def add(self, token_ids: list[int], lps: Logprobs) -> None:
         self.token_ids.extend(token_ids)
-        self.logprobs.extend(lps.token_logprobs)
-        self.top.extend(list(zip(ids, values)) for ids, values in zip(lps.top_ids, lps.top_logprobs))
+        self._scored(lps)
 
     def add_prompt(self, prompt_ids: list[int], lps: Logprobs | None) -> None:
         """The prompt's rows: its first token unscored, then one per entry of ``lps`` (None: all unscored)."""
         self.token_ids.extend(prompt_ids)
-        scored = len(lps) if lps is not None else 0
-        self.logprobs.extend([None] * (len(prompt_ids) - scored))
-        self.top.extend([None] * (len(prompt_ids) - scored))
+        unscored = len(prompt_ids) - (len(lps) if lps is not None else 0)
+        self.logprobs.extend([None] * unscored)
+        self.top.extend([None] * unscored)
         if lps is not None:
-            self.logprobs.extend(lps.token_logprobs)
-            self.top.extend(list(zip(ids, values)) for ids, values in zip(lps.top_ids, lps.top_logprobs))
+            self._scored(lps)
+
+    def _scored(self, lps: Logprobs) -> None:
+        self.logprobs.extend(lps.token_logprobs)
+        self.top.extend(list(zip(ids, values)) for ids, values in zip(lps.top_ids, lps.top_logprobs))
 
 
 def _text(tokenizer, token_id: int, cache: dict[int, str]) -> str:

@@ -18,9 +18,8 @@ from shared.model.attention import AttentionMetadata, PrefillChunk
 from kernels import cascade_attention, cpu_paged_attention
 from shared.model import kv_cache
 from shared.engine.kv_manager import KVManager
-from shared.engine import grammar
 from shared.engine.decode_graphs import DecodeGraphs
-from shared.engine.grammar import Grammars
+from shared.engine.grammar import Grammars, apply as apply_grammar
 from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
@@ -164,7 +163,7 @@ class ModelRunner:
             if k:
                 rows = logits[row:row + k + 1]
                 if req.params.structured is not None:
-                    rows = grammar.apply(rows, self.grammars.allowed(req, req.spec_token_ids))
+                    rows = apply_grammar(rows, self.grammars.allowed(req, req.spec_token_ids))
                 tokens_of[req.request_id] = verify(rows, req.spec_token_ids, req.params,
                                                 req.generator, req.prompt_token_ids,
                                                 req.output_token_ids if req.params.processes_logits else (),
@@ -180,7 +179,7 @@ class ModelRunner:
             if constrained:   # masked on a copy: logprobs stay the raw distribution's
                 at = torch.tensor(constrained, dtype=torch.long, device=logits.device)
                 plain_logits = plain_logits.clone()
-                plain_logits[at] = grammar.apply(plain_logits[at], torch.cat([self.grammars.allowed(plain[i])
+                plain_logits[at] = apply_grammar(plain_logits[at], torch.cat([self.grammars.allowed(plain[i])
                                                                               for i in constrained]))
             tokens = sample(plain_logits,
                             [r.params for r in plain], [r.generator for r in plain],

@@ -30,6 +30,7 @@ class ClusterSpec:
     reasoning_parser: str = ""  # the router's --reasoning-parser
     dtype: str = "auto"
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
+    swa_kv_context: int = 0  # the workers' --swa-kv-context (0 = the engine's default)
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"

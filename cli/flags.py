@@ -80,6 +80,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                         help="weights, activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     parser.add_argument("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB,
                         help=f"each engine worker's KV pool (default {DEFAULT_KV_CACHE_MB}, the in-process engine's)")
+    parser.add_argument("--swa-kv-context", type=int, default=0, metavar="TOKENS",
+                        help="sliding-window models: split each worker's KV budget between full and window pools "
+                             "for prompts of this length (default: min(context, 4096); README: SWA-aware KV)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")
     parser.add_argument("--local-prefill-threshold", type=int, default=64)
     parser.add_argument("--policy", default="predictive",

@@ -158,6 +158,7 @@ class Cluster:
         module, user = (("services.switchable", nats_auth.SWITCHABLE) if s.switchable else (f"services.{role}", role))
         self._spawn(name, module, [*self._common_args(name), *(["--role", role] if s.switchable else []),
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
+                                               "--swa-kv-context", str(s.swa_kv_context),
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),
                                                *(["--model", s.model] if s.model else [])], threads, user)

@@ -81,6 +81,10 @@ def format_status(status: dict) -> str:
             hit = st.get("prefix_hit_tokens", 0) / max(1, st.get("prefix_query_tokens", 0))
             line += (f" running {load['num_running']:>3}  waiting {load['num_waiting']:>3}  "
                      f"kv {load['kv_usage']:.0%} of {load['num_total_blocks']} blocks  prefix hit {hit:.0%}")
+            pools = st.get("kv_pools") or []
+            if len(pools) > 1:   # a sliding-window model: the KV budget's split
+                line += "  pools " + ", ".join(f"{p['name']} {p['blocks'] - p['free']}/{p['blocks']} "
+                                               f"({_mib(p['blocks'] * p['block_bytes'])})" for p in pools)
             tier = st.get("tier")
             if tier:
                 line += (f"  tier {tier['tier']}: pulled {tier['blocks_pulled']} blocks, wrote {tier['blocks_written']}"

@@ -89,9 +89,9 @@ class DecodeService(Worker):
                 known = [*req.prompt_token_ids, *req.prior_output_ids]   # a continuation's delivered tokens too
                 pulled = await self.tier_pull(known, req.cache_salt, req.retention)
                 pin = hold and self.tier is not None  # the prompt's window, for its write-back at the first token
-                submit = self.with_tier(pulled, known, req.cache_salt, lambda: eng.add_request(
+                submit = self.with_tier(pulled, known, req.cache_salt, lambda reimport: eng.add_request(
                     req.prompt_token_ids, params, rid, req.cache_salt, hold_kv=hold, pin_prompt_window=pin,
-                    prior_output_ids=req.prior_output_ids), imported)
+                    prior_output_ids=req.prior_output_ids, reimport=reimport), imported)
                 seq, extra = 0, {}
             # a hand-off is acknowledged once its KV is in our cache: the prefill side may drop its copy
             try:

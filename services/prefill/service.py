@@ -70,8 +70,9 @@ class PrefillService(Worker):
         known = [*req.prompt_token_ids, *req.prior_output_ids]   # a continuation's delivered tokens too
         pulled = await self.tier_pull(known, req.cache_salt, req.retention)
         imported: list[int] = []
-        submit = self.with_tier(pulled, known, req.cache_salt, lambda: eng.add_request(
-            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True, prior_output_ids=req.prior_output_ids),
+        submit = self.with_tier(pulled, known, req.cache_salt, lambda reimport: eng.add_request(
+            req.prompt_token_ids, one, rid, req.cache_salt, hold_kv=True, prior_output_ids=req.prior_output_ids,
+            reimport=reimport),
             imported)
         outs = [o async for o in self.aengine.run(rid, submit, 2)]
         final = outs[-1]

@@ -64,7 +64,8 @@ class Worker(TierMixin, Service):
         logger.info("starting %s with %s", c.worker_id, c)
         engine_cfg = EngineConfig(block_size=c.block_size, kv_cache_bytes=c.kv_cache_mb << 20,
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-                                  dtype=c.dtype, device=c.device, num_threads=c.threads or None)
+                                  dtype=c.dtype, device=c.device, num_threads=c.threads or None,
+                                  swa_kv_context=c.swa_kv_context or None)
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password, on_reconnected=self._on_reconnected)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)
@@ -161,7 +162,8 @@ class Worker(TierMixin, Service):
         bm = self.engine.block_manager
         spec = self.engine.speculator
         stats = {**self.aengine.load(), "prefix_query_tokens": bm.num_query_tokens,
-                 "prefix_hit_tokens": bm.num_hit_tokens, "errors": dict(self.runtime.error_counts),
+                 "prefix_hit_tokens": bm.num_hit_tokens, "kv_pools": self.engine.kv_pools(),
+                 "errors": dict(self.runtime.error_counts),
                  "tier": self.tier.stats() if self.tier else None, "speculative": spec.stats() if spec else None}
         await msg.respond(protocol.encode(protocol.StatsReply(worker_id=self.config.worker_id,
                                                               role=self.config.role, stats=stats)))

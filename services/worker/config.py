@@ -18,6 +18,7 @@ class WorkerConfig(ServiceConfig):
     device: str = "auto"
     threads: int = 0  # 0 = all CPUs this process may use
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
+    swa_kv_context: int = 0  # sliding-window models: split the KV budget for prompts this long (0 = engine default)
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
@@ -53,5 +54,7 @@ class WorkerConfig(ServiceConfig):
                              "draft_timeout_s > 0")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.swa_kv_context < 0:
+            raise ValueError("swa_kv_context must be >= 0 (0: the engine's default)")
         if self.kv_cache_mb <= 0 or self.threads < 0 or self.heartbeat_s <= 0 or self.drain_grace_s < 0:
             raise ValueError("kv_cache_mb and heartbeat_s must be positive, threads and drain_grace_s >= 0")

@@ -140,6 +140,13 @@ class WorkerCollector(Collector):
         yield gauge_by(f"{P}_kv_blocks", "KV cache blocks by state", lb, "state",
                        [("used", bm.num_blocks - free), ("free", free)])
         yield gauge(f"{P}_kv_capacity_blocks", "KV cache blocks in all", lb, bm.num_blocks)
+        pools = eng.kv_pools()
+        yield gauge_by(f"{P}_kv_pool_blocks", "Blocks of each KV pool (kv; or full and window for sliding-window "
+                       "models: the KV budget's split)", lb, "pool", [(p["name"], p["blocks"]) for p in pools])
+        yield gauge_by(f"{P}_kv_pool_free_blocks", "Free blocks of each KV pool (cached ones included)", lb, "pool",
+                       [(p["name"], p["free"]) for p in pools])
+        yield gauge_by(f"{P}_kv_pool_block_bytes", "Bytes of one block of each KV pool (all its layers)", lb, "pool",
+                       [(p["name"], p["block_bytes"]) for p in pools])
         yield gauge(f"{P}_kv_block_size_tokens", "Tokens per KV block", lb, bm.block_size)
         yield gauge(f"{P}_kv_usage_ratio", "Fraction of KV blocks in use", lb, load["kv_usage"])
         yield gauge(f"{P}_prefix_cache_blocks", "Blocks the prefix cache can hit (in use or free)", lb,

@@ -24,17 +24,22 @@ class TierMixin:
                                     str(eng.kv_port.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
                                     eng.kv_port.window_layers)
 
-    def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, submit, imported: list[int]):
-        """``submit`` preceded, in the same engine command, by the import of ``pulled`` blocks (their count is
-        appended to ``imported``), so the request's prefix lookup finds them before anything evicts them."""
+    def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, add, imported: list[int]):
+        """An engine command: ``add(reimport)`` (an ``LLMEngine.add_request``) preceded by the import of ``pulled``
+        blocks (their count is appended to ``imported``). ``reimport`` (None without a pull) publishes them again;
+        the scheduler calls it before each admission attempt, so blocks evicted while the request waits (other
+        requests' prefill chunks reuse free cached blocks) are back when its prefix lookup runs."""
         if pulled is None:
-            return submit
+            return lambda: add(None)
         eng = self.engine
 
-        def import_then_submit():
-            imported.append(eng.kv_port.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window))
-            return submit()
-        return import_then_submit
+        def reimport() -> int:
+            return eng.kv_port.import_tier_blocks(prompt, cache_salt, pulled.first, pulled.kv, pulled.has_window)
+
+        def import_then_add():
+            imported.append(reimport())
+            return add(reimport)
+        return import_then_add
 
     async def tier_write_back(self, request_id: str, first_block: int, cache_salt: str, retention: str) -> None:
         """Stage a held request's computed blocks from ``first_block`` on for the tier (the caller releases the

@@ -3,9 +3,9 @@
 Invariants:
 - A block is either held (``ref_cnt > 0``, owned by one or more requests) or in ``free_queue``
   (``ref_cnt == 0``), never both.
-- ``free_queue`` is the eviction order: its head is reused first. Freed blocks that carry no hash go to the
-  head (they are worthless); freed hashed blocks go to the tail (LRU), a request's tail blocks before its
-  head blocks, so a shared prefix outlives the suffixes built on it.
+- ``free_queue`` (a ``FreeQueue``) is the eviction order: its head is reused first. Freed blocks that carry no
+  hash go to the head (they are worthless); freed hashed blocks go to the tail (LRU), a request's tail blocks
+  before its head blocks, so a shared prefix outlives the suffixes built on it.
 - ``cached`` maps a block hash (its 64-bit key) to the one block holding it. A hit is confirmed by comparing the
   block's full key (its chained 256-bit digest, which covers every earlier token, the model fingerprint and the
   cache salt, and its token ids), never by the 64-bit hash alone: blocks whose hashes collide are never
@@ -18,15 +18,68 @@ Invariants:
   never allocated, never freed, never cached. A block-table slot holding it names a block whose KV was released
   (``release``: no query can see it any more) or never written (an import skipped it); attention's window mask
   never reads such a slot. ``usage`` and ``num_free_blocks`` count the other ``num_blocks - 1`` blocks.
+  Released blocks stay cached; those outside ``keep`` (``release``) are queued as recycled: after the blank
+  blocks, before every block freed with its request. A block a sequence's window slid past mid-prompt is
+  needed only by a hit ending within a window of it, while the rows of the prompt's last window (``keep``)
+  are what a repeat of the prompt needs, and go to the LRU tail as freed blocks do. A prompt's prefill thus
+  reuses its own released blocks chunk after chunk and leaves its last window's rows behind, instead of
+  cycling every block it passed through the pool and evicting other prompts' ends.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
 
 BlockKey = tuple[bytes, tuple[int, ...]]  # (chained digest, token ids)
+
+
+class FreeQueue:
+    """Free blocks (``ref_cnt == 0``) in eviction order: blank ones (no hash; the last one queued first), then
+    recycled ones (released by a window mid-prompt: ``BlockManager.release``), oldest first, then the LRU
+    (freed with their request, imported, or touched), least recently used first. Each block is in at most one
+    part; every operation is O(1)."""
+    __slots__ = ("blank", "recycled", "lru")
+
+    def __init__(self, ids) -> None:
+        self.blank: OrderedDict[int, None] = OrderedDict.fromkeys(ids)
+        self.recycled: OrderedDict[int, None] = OrderedDict()
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.blank) + len(self.recycled) + len(self.lru)
+
+    def __contains__(self, bid: int) -> bool:
+        return bid in self.blank or bid in self.recycled or bid in self.lru
+
+    def __iter__(self):
+        return itertools.chain(self.blank, self.recycled, self.lru)
+
+    def push_blank(self, bid: int) -> None:
+        self.blank[bid] = None
+        self.blank.move_to_end(bid, last=False)
+
+    def push_recycled(self, bid: int) -> None:
+        self.recycled[bid] = None
+
+    def push_lru(self, bid: int) -> None:
+        """Queue (or move) ``bid`` at the LRU tail: evicted last."""
+        self.remove(bid)
+        self.lru[bid] = None
+
+    def remove(self, bid: int) -> None:
+        for part in (self.blank, self.recycled, self.lru):
+            if part.pop(bid, 0) is None:
+                return
+
+    def pop(self) -> int:
+        """The next block to reuse (the caller checks ``len`` first)."""
+        for part in (self.blank, self.recycled, self.lru):
+            if part:
+                return part.popitem(last=False)[0]
+        raise IndexError("no free block")
 
 
 class KVBlock:
@@ -57,7 +110,7 @@ class BlockManager(KVManager):
         self._num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null = 0 if reserve_null else -1  # the null block's id, or -1: none
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != self.null)
+        self.free_queue = FreeQueue(i for i in range(num_blocks) if i != self.null)
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # request id -> how many of its blocks are hashed
@@ -77,6 +130,9 @@ class BlockManager(KVManager):
     @property
     def cached(self) -> dict[int, int]:
         return self._cached
+
+    def pools(self) -> list[tuple[str, int, int]]:
+        return [("kv", self.num_blocks - (self.null >= 0), len(self.free_queue))]
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,11 +201,12 @@ class BlockManager(KVManager):
 
     # -- mutations -------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, hits: list[int] | tuple[int, ...] = (),
-                       q0: int | None = None, skip_before: int = 0) -> list[int] | None:
+                       q0: int | None = None, skip_before: int = 0, keep: range = range(0)) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` plus the ``hits``
         prefix. Returns the newly allocated block ids, or ``None`` if there is no room (nothing changed).
         ``skip_before`` (null-block pools only): the request's blocks before that index are never read again:
-        held ones are released first, new ones get the null block. ``q0`` is for layouts with windows."""
+        held ones are released first (``release``'s ``keep``), new ones get the null block. ``q0`` is for layouts
+        with windows."""
         computed_blocks = hits
         held = self.req_to_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -157,7 +214,7 @@ class BlockManager(KVManager):
             return None
         assert skip_before == 0 or self.null >= 0, "skip_before needs a null block"
         if skip_before:
-            self.release(request.request_id, skip_before)
+            self.release(request.request_id, skip_before, keep)
         num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
         held = self.req_to_blocks.setdefault(request.request_id, held)
         for bid in computed_blocks:
@@ -166,7 +223,7 @@ class BlockManager(KVManager):
                 continue
             block = self.blocks[bid]
             if block.ref_cnt == 0:
-                del self.free_queue[bid]
+                self.free_queue.remove(bid)
             block.ref_cnt += 1
             held.append(bid)
         if computed_blocks:
@@ -176,7 +233,7 @@ class BlockManager(KVManager):
             if index < skip_before:
                 held.append(self.null)
                 continue
-            bid, _ = self.free_queue.popitem(last=False)
+            bid = self.free_queue.pop()
             block = self.blocks[bid]
             if block.block_hash is not None:  # evict: the cached content is being overwritten
                 if self.cached.get(block.block_hash) == bid:
@@ -235,7 +292,7 @@ class BlockManager(KVManager):
         prefix = [self.cached[h] for h in request.block_hashes[:first] if h in self.cached]
         for bid in reversed(prefix):
             if self.blocks[bid].ref_cnt == 0:
-                self.free_queue.move_to_end(bid)
+                self.free_queue.push_lru(bid)
         protected = sum(1 for b in prefix if self.blocks[b].ref_cnt == 0)
         count = max(0, min(count, len(request.block_hashes) - first, len(self.free_queue) - protected))
         ids, stored = [], []
@@ -243,7 +300,7 @@ class BlockManager(KVManager):
             h = request.block_hashes[i]
             if h in self.cached:  # already here (a race with another request): stop, keep the chain simple
                 break
-            bid, _ = self.free_queue.popitem(last=False)
+            bid = self.free_queue.pop()
             block = self.blocks[bid]
             if block.block_hash is not None and self.cached.get(block.block_hash) == bid:
                 del self.cached[block.block_hash]
@@ -254,10 +311,10 @@ class BlockManager(KVManager):
             ids.append(bid)
             stored.append(h)
         for bid in reversed(ids):
-            self.free_queue[bid] = None   # free (ref 0) and cached, in chain order at the LRU tail
+            self.free_queue.push_lru(bid)   # free (ref 0) and cached, in chain order at the LRU tail
         for bid in reversed(prefix):
             if self.blocks[bid].ref_cnt == 0 and bid in self.free_queue:
-                self.free_queue.move_to_end(bid)
+                self.free_queue.push_lru(bid)
         if stored and self.event_sink is not None:
             self.event_sink("stored", stored)
         return ids
@@ -270,21 +327,25 @@ class BlockManager(KVManager):
             if bid != self.null:
                 self._unref(bid)
 
-    def _unref(self, bid: int) -> None:
+    def _unref(self, bid: int, recycled: bool = False) -> None:
         block = self.blocks[bid]
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
-            self.free_queue[bid] = None
             if block.block_hash is None:
-                self.free_queue.move_to_end(bid, last=False)
+                self.free_queue.push_blank(bid)
+            elif recycled:
+                self.free_queue.push_recycled(bid)
+            else:
+                self.free_queue.push_lru(bid)
 
-    def release(self, request_id: str, num_blocks: int) -> None:
+    def release(self, request_id: str, num_blocks: int, keep: range = range(0)) -> None:
         """Null-block pools: point the request's table slots ``[0, num_blocks)`` at the null block and free what
-        they held (no query of the request can see those tokens any more). Hashed blocks stay cached."""
+        they held (no query of the request can see those tokens any more). Hashed blocks stay cached: those at
+        an index in ``keep`` at the LRU tail, the others recycled (the module docstring says why)."""
         held = self.req_to_blocks.get(request_id, [])
         for i in range(min(num_blocks, len(held))):
             if held[i] != self.null:
-                self._unref(held[i])
+                self._unref(held[i], recycled=i not in keep)
                 held[i] = self.null
 
     def publish_computed(self, request: Request, num_tokens: int) -> None:
@@ -305,13 +366,13 @@ class BlockManager(KVManager):
             assert block.block_hash is None, "a trimmed block was published in the prefix cache"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = None
-                self.free_queue.move_to_end(block.block_id, last=False)
+                self.free_queue.push_blank(block.block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a failed step left KV contents undefined)."""
         for block in self.blocks:
             block.block_hash, block.key = None, None
         self.cached.clear()
+        self.free_queue = FreeQueue(list(self.free_queue))   # all blank now, in the same order
         if self.event_sink is not None:
             self.event_sink("cleared", [])

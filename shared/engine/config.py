@@ -21,7 +21,7 @@ class EngineConfig:
     can see (``shared/engine/hybrid_kv.py``); a model without windows is unaffected. Pool sizes: with
     ``num_kv_blocks`` the full pool has that many blocks and the window pool ``num_window_kv_blocks`` (default:
     as many); otherwise ``kv_cache_bytes`` is split by ``hybrid_kv.pool_sizes`` for sequences of
-    ``swa_kv_context`` tokens (default ``max_model_len``)."""
+    ``swa_kv_context`` tokens (default ``min(max_model_len, hybrid_kv.SWA_KV_CONTEXT)``: 4,096)."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None

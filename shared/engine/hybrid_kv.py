@@ -21,6 +21,15 @@ the window group's blocks ``lo..n-1`` cached, ``lo = drop(q0)`` with ``q0 = n * 
 tokens up to ``q0 > n * bs`` itself (migration, hand-off) asks with that ``q0``. KV events and the router's KV
 index carry the full group's hashes only (the window group's are internal; a hit decision is the engine's).
 
+Sizing (``build_kv_manager``): a KV budget in bytes is split by ``pool_sizes`` for prompts of ``swa_kv_context``
+tokens (default ``min(max_model_len, SWA_KV_CONTEXT)``): each pool gets the bytes such prompts need in it, so a
+worker's prefix cache holds as many of their last windows as it holds their full blocks, and a repeat of one of
+the last prompts that fit the full pool still hits. Sizing for ``max_model_len`` instead (32K for Gemma 3)
+would leave the window pool room for the ends of only a few prompts (223 window blocks against 9,807 full ones
+for Gemma 3 270M in 1 GiB): every other repeat would miss. A prefill leaves behind only its last window's rows
+(released blocks are reused first: ``BlockManager``), and a tier import evicted before its request is admitted
+is published again (``Scheduler``). ``--swa-kv-context`` sizes for longer prompts (more full blocks each).
+
 Capacity: a request fits only when both pools have room; ``allocate_slots`` checks both before changing either,
 so nothing is ever left half-allocated. ``usage`` is the fuller pool's; ``num_free_blocks`` expresses that
 pressure in full-group blocks (tokens / block_size), the unit routers compare with a prompt's length.
@@ -112,6 +121,10 @@ class HybridBlockManager(KVManager):
     def usage(self) -> float:
         return max(self.full.usage, self.win.usage)
 
+    def pools(self) -> list[tuple[str, int, int]]:
+        return [("full", self.full.num_blocks, len(self.full.free_queue)),
+                ("window", self.num_window_blocks, len(self.win.free_queue))]
+
     @property
     def num_free_blocks(self) -> int:
         return self.full.num_blocks - math.ceil(self.usage * self.full.num_blocks - 1e-9)
@@ -195,6 +208,12 @@ class HybridBlockManager(KVManager):
         pin, prompt = request.window_pin, request.num_prompt_tokens
         return min(q0, pin) if pin is not None and prompt <= q0 < prompt + self.window else q0
 
+    def prompt_end(self, request: Request) -> range:
+        """The window blocks a repeat of the request's prompt needs (its hit of ``(prompt - 1) // bs`` blocks):
+        released, they stay at the LRU tail; other released window blocks are reused first (``BlockManager``)."""
+        n = (request.num_prompt_tokens - 1) // self.block_size
+        return range(min(self.drop(n * self.block_size), n), n)
+
     def has_room(self, request: Request, total: int) -> bool:
         """Whether the request could grow to ``total`` tokens now (both pools)."""
         return (self.full.can_allocate(request, total)
@@ -217,7 +236,8 @@ class HybridBlockManager(KVManager):
                 and self.win.can_allocate(request, total, hits.window, skip)):
             return None
         new_ids = self.full.allocate_slots(request, num_new_tokens, hits.full)
-        ok = self.win.allocate_slots(request, num_new_tokens, hits.window, skip_before=skip)
+        ok = self.win.allocate_slots(request, num_new_tokens, hits.window, skip_before=skip,
+                                     keep=self.prompt_end(request))
         assert new_ids is not None and ok is not None, "a pool ran out after its room was checked"
         return new_ids
 
@@ -258,6 +278,9 @@ class HybridBlockManager(KVManager):
         self.win.reset_prefix_cache()
 
 
+SWA_KV_CONTEXT = 4096   # default prompt length the full/window split is sized for (``build_kv_manager``)
+
+
 def min_window_blocks(window: int, block_size: int, max_step_tokens: int) -> int:
     """Window blocks one request may need in one step: a chunk of ``max_step_tokens`` plus its window."""
     return window_blocks_per_seq(window, block_size, max_step_tokens)
@@ -265,7 +288,8 @@ def min_window_blocks(window: int, block_size: int, max_step_tokens: int) -> int
 
 def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int) -> KVManager:
     """The engine's ``KVManager``: one pool, or two KV groups when ``config.swa_kv`` and the model has window
-    layers (pool sizes from ``config.num_kv_blocks`` or split from ``config.kv_cache_bytes``)."""
+    layers (pool sizes from ``config.num_kv_blocks``, or ``config.kv_cache_bytes`` split for prompts of
+    ``config.swa_kv_context`` tokens, default ``min(max_model_len, SWA_KV_CONTEXT)``: see the module docstring)."""
     mc, bs = model.config, config.block_size
     layer_bytes = 2 * bs * mc.num_kv_heads * mc.head_dim * model.embed.element_size()
     windows = [w for w in mc.layer_sliding_windows if w is not None]
@@ -278,6 +302,6 @@ def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int
     else:
         min_window = min(min_window_blocks(window, bs, step), -(-max_model_len // bs))
         num_full, num_window = pool_sizes(config.kv_cache_bytes, (mc.num_layers - len(windows)) * layer_bytes,
-                                          len(windows) * layer_bytes, config.swa_kv_context or max_model_len,
+                                          len(windows) * layer_bytes, config.swa_kv_context or min(max_model_len, SWA_KV_CONTEXT),
                                           window, bs, min_window, step)
     return HybridBlockManager(num_full, num_window, bs, window, config.enable_prefix_caching, max_step_tokens=step)

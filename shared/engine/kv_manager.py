@@ -68,6 +68,11 @@ class KVManager(abc.ABC):
     def pool_sizes(self) -> list[int]:
         """Physical blocks per KV group (a null block included): what ``kv_cache.allocate`` builds."""
 
+    @abc.abstractmethod
+    def pools(self) -> list[tuple[str, int, int]]:
+        """``(name, blocks, free blocks)`` per KV group, null blocks left out: the split ``/metrics`` and
+        ``deepinfer status`` show (``"kv"`` for one pool; ``"full"`` and ``"window"`` with windows)."""
+
     @property
     @abc.abstractmethod
     def cached(self) -> dict[int, int]:

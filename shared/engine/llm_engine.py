@@ -11,6 +11,7 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from shared.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, Logprobs
+from shared.model import kv_cache
 from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import LlamaModel
 
@@ -97,12 +99,14 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str = "", hold_kv: bool = False, pin_prompt_window: bool = False,
-                    prior_output_ids: list[int] = ()) -> str:
+                    prior_output_ids: list[int] = (), reimport: Callable[[], object] | None = None) -> str:
         """Queue a request. ``hold_kv``: keep its KV blocks after it finishes (see ``KVPort.release_held``).
         ``pin_prompt_window``: with SWA-aware KV, keep the window rows the prompt's prefill left until the caller
         lifts it (``Request.window_pin``; ``HybridBlockManager.pinned``), for a copy of the prompt to the tier.
         ``prior_output_ids``: a continuation's delivered tokens (failover, resume): computed with the prompt, as a
-        recompute after preemption would, and counted as output by every stop rule and logits processor."""
+        recompute after preemption would, and counted as output by every stop rule and logits processor.
+        ``reimport``: publishes blocks computed elsewhere (a tier pull, already imported once) again; the scheduler
+        calls it before each admission attempt until the request is admitted (``Scheduler``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise invalid(f"duplicate request id {request_id!r}")
@@ -116,6 +120,7 @@ class LLMEngine:
             if req.detokenizer is not None and not self.is_stop_token(token, params):
                 req.output_text += req.detokenizer.feed(token)
         req.hold_kv = hold_kv
+        req.reimport = reimport
         if pin_prompt_window and not self.kv_port.stages_in_place:
             req.window_pin = 0       # follows the prefill chunks (HybridBlockManager.allocate_slots)
         self.requests[request_id] = req
@@ -151,6 +156,13 @@ class LLMEngine:
     def set_kv_event_sink(self, sink) -> None:
         """``sink(kind, hashes)`` hears every prefix-cache change (set before stepping starts)."""
         self.block_manager.event_sink = sink
+
+    def kv_pools(self) -> list[dict[str, int | str]]:
+        """The KV budget's split: per pool its ``name``, ``blocks``, ``free`` blocks and ``block_bytes``
+        (``KVManager.pools``; ``/metrics`` and ``deepinfer status`` show it)."""
+        sizes = kv_cache.pool_block_bytes(self.runner.kv_cache)
+        return [{"name": name, "blocks": blocks, "free": free, "block_bytes": nbytes}
+                for (name, blocks, free), nbytes in zip(self.block_manager.pools(), sizes)]
 
     def cached_block_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now (a KV-event snapshot)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
-                 "spec_features", "prompt_logprobs", "matcher", "matcher_tokens")
+                 "spec_features", "prompt_logprobs", "matcher", "matcher_tokens", "reimport")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
@@ -75,6 +76,8 @@ class Request:
         self.detokenizer = None  # set by the engine when stop strings or text output are needed
         self.hold_kv = False  # keep blocks after finishing until released (prefill → decode hand-off)
         self.window_pin: int | None = None  # SWA-aware KV keeps the window its prefill left (hybrid_kv.py)
+        # blocks computed elsewhere (a tier pull) published again before each admission attempt (Scheduler)
+        self.reimport: Callable[[], object] | None = None
         self.spec_token_ids: list[int] = []  # drafted tokens verified this step (after all_token_ids)
         self.spec_features: list = []  # their TokenFeatures (acceptance log)
         # Sampling.prompt_logprobs: entries of prompt tokens 1.. scored so far (filled by the prefill chunks)

@@ -5,6 +5,10 @@ each advancing ``num_computed_tokens`` by up to its remaining tokens (1 for a de
 then waiting requests are admitted (prefix-cache hit first) while budget, blocks and ``max_num_seqs``
 allow. There are no prefill/decode phases: only token counts.
 
+A waiting request with a ``reimport`` (blocks pulled from the cache tier) has them published again right before
+each admission attempt, until it is admitted: an import leaves free cached blocks, which other requests'
+allocations may evict while it waits (sliding-window pools are small), and without this it would recompute.
+
 When a running request cannot get a block, the most recently admitted running request is preempted: its
 blocks are freed (hashed ones stay cached), ``num_computed_tokens`` returns to 0, and it goes to the front of
 the waiting queue to be recomputed later (its output tokens are kept: recompute reproduces their KV).
@@ -121,6 +125,8 @@ class Scheduler:
         now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.reimport is not None:
+                req.reimport()
             # prompt logprobs need every prompt position's logits: no cached prefix
             hits, num_cached = (([], 0) if req.params.prompt_logprobs is not None
                                 else self.bm.get_computed_blocks(req))
@@ -128,6 +134,7 @@ class Scheduler:
             if self.bm.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
+            req.reimport = None
             req.num_computed_tokens = num_cached
             if req.stats.first_scheduled_time is None:
                 req.stats.first_scheduled_time = now

@@ -111,6 +111,12 @@ def block_shape(kv: KVCache) -> list[int]:
     return list(kv.block_shape) if isinstance(kv, KVGroups) else list(kv.shape[1:])
 
 
+def pool_block_bytes(kv: KVCache) -> list[int]:
+    """Bytes of one block of each pool (every layer the pool holds), in ``KVManager.pools`` order."""
+    pools = [kv.full, kv.window] if isinstance(kv, KVGroups) else [kv]
+    return [p[0].numel() * p.element_size() for p in pools]
+
+
 def first_pool(kv: KVCache) -> torch.Tensor:
     """The first group's pool (the cache itself with one pool): its device and dtype are the cache's."""
     return kv.full if isinstance(kv, KVGroups) else kv

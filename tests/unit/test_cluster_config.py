@@ -173,3 +173,23 @@ def test_up_switchable_and_planner_flags_reach_the_workers_and_the_router(tmp_pa
         ClusterSpec(switchable=True, auth=True, nats_url="nats://x:4222", passwords={"router": "p"}, cache_tier=0)
     with pytest.raises(ValueError):
         RouterConfig(planner_scaler="helm")
+
+
+def test_swa_kv_context_reaches_each_worker_and_its_engine(monkeypatch, tmp_path):
+    """``up --swa-kv-context N`` (and ``node``): every worker is started with it and sizes its engine's
+    full/window split by it; 0 (the default) leaves the engine's own default."""
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--swa-kv-context", "8192", "--cache-tier-dir",
+                                                            str(tmp_path)]), print)
+    assert spec.swa_kv_context == 8192 and cli_node.node_spec(node_args()).swa_kv_context == 0
+    assert cli_node.node_spec(node_args(swa_kv_context=2048)).swa_kv_context == 2048
+    spawned = []
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, name, module, argv, *rest: spawned.append(argv))
+    Cluster(spec).spawn_worker("decode", 0)
+    assert spawned[0][spawned[0].index("--swa-kv-context") + 1] == "8192"
+    assert load_config(WorkerConfig, spawned[0][spawned[0].index("--swa-kv-context"):][:2]).swa_kv_context == 8192
+    with pytest.raises(ValueError, match="swa_kv_context"):
+        WorkerConfig(swa_kv_context=-1)

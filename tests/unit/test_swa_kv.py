@@ -326,3 +326,30 @@ def test_next_turn_hits_a_decode_write_back_whole(request, window, max_tokens):
     assert dst.kv_port.import_tier_blocks(turn, "", 0, kv, has_window) == len(ids) == (len(turn) - 4) // BS
     got, last = run(dst, dst.add_request(turn, GREEDY))
     assert got == expected and last.num_cached_tokens == len(ids) * BS
+
+
+@pytest.mark.parametrize("with_reimport", [True, False])
+def test_a_tier_import_evicted_while_its_request_waits_is_published_again(model, with_reimport):
+    """A request's tier blocks are imported as free cached blocks when it is added; a long prefill running first
+    reuses the small window pool's free blocks and evicts their window rows. With the import kept as the request's
+    ``reimport`` the scheduler publishes it again before admitting it: still a full hit, same tokens (without, the
+    hit is lost: what this guards)."""
+    prompt = PROMPTS[2] + [5, 6, 7, 8, 9, 10, 11]   # 40 tokens: 9 reusable blocks
+    other = [(11 * j) % 190 + 12 for j in range(60)]
+    expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
+    src = engine(model)
+    rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_kv=True)
+    run(src, rid)
+    ids, _, _ = src.kv_port.tier_blocks(rid)
+    kv, has_window = src.kv_port.unpack(*staged(src, rid, ids))
+    dst = engine(model, window_blocks=7, batched=16)    # a chunk and its window need all 7
+    reimport = lambda: dst.kv_port.import_tier_blocks(prompt, "", 0, kv[:9], has_window[:9])  # noqa: E731
+    assert reimport() == 9
+    dst.add_request(other, GREEDY, "other")
+    for _ in range(4):                                  # the other prompt's prefill chunks cycle the window pool
+        dst.step()
+    assert dst.kv_port.missing_blocks(prompt)[0] < 9    # the import's window rows are gone
+    rid = dst.add_request(prompt, GREEDY, "x", reimport=reimport if with_reimport else None)
+    got, last = run(dst, rid)
+    assert got == expected
+    assert last.num_cached_tokens == (36 if with_reimport else 0)

@@ -172,3 +172,10 @@ def write_gemma_hf_folder(directory: str | Path, config: ModelConfig, weights: d
         "bos_token": "<bos>", "eos_token": "<eos>", "chat_template": gemma3.CHAT_TEMPLATE, "add_bos_token": True,
         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
     return directory
+
+
+def write_service_gguf(directory: str | Path, seed: int = 11) -> Path:
+    """The tiny Gemma 3 the service tests serve: 7 layers, window 8 on five of every six, 4 query / 2 KV heads of
+    16 dims, as ``directory/tiny-gemma3.gguf``."""
+    config = gemma_config(head_dim=16, heads=4, kv_heads=2, window=8, num_layers=7)
+    return write_gemma_gguf(Path(directory) / "tiny-gemma3.gguf", config, gemma_weights(config, seed=seed), window=8)

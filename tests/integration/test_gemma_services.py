@@ -8,7 +8,7 @@ import pytest
 
 from shared import protocol
 from shared.client import generate
-from tests.gemma_factory import gemma_config, gemma_weights, write_gemma_gguf
+from tests.gemma_factory import write_service_gguf
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, reference_outputs, wait_until
 
@@ -17,9 +17,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
-    config = gemma_config(head_dim=16, heads=4, kv_heads=2, window=8, num_layers=7)
-    return write_gemma_gguf(tmp_path_factory.mktemp("gemma") / "tiny-gemma3.gguf", config,
-                            gemma_weights(config, seed=11), window=8)
+    return write_service_gguf(tmp_path_factory.mktemp("gemma"))
 
 
 def prompts() -> list[list[int]]:

@@ -12,7 +12,7 @@ from shared import protocol
 from cli import status
 from shared.client import generate
 from shared.metrics.common import render
-from tests.gemma_factory import gemma_config, gemma_weights, write_gemma_gguf
+from tests.gemma_factory import write_service_gguf
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, reference_outputs
 from tests.unit.test_metrics import parse
@@ -22,9 +22,7 @@ TOKENS, BS = 6, 8
 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
-    config = gemma_config(head_dim=16, heads=4, kv_heads=2, window=8, num_layers=7)
-    return write_gemma_gguf(tmp_path_factory.mktemp("gemma") / "tiny-gemma3.gguf", config,
-                            gemma_weights(config, seed=11), window=8)
+    return write_service_gguf(tmp_path_factory.mktemp("gemma"))
 
 
 def prompts() -> list[list[int]]:

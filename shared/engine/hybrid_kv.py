@@ -291,7 +291,7 @@ def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int
     layers (pool sizes from ``config.num_kv_blocks``, or ``config.kv_cache_bytes`` split for prompts of
     ``config.swa_kv_context`` tokens, default ``min(max_model_len, SWA_KV_CONTEXT)``: see the module docstring)."""
     mc, bs = model.config, config.block_size
-    layer_bytes = 2 * bs * mc.num_kv_heads * mc.head_dim * model.embed.element_size()
+    layer_bytes = 2 * bs * mc.kv_cache_heads * mc.kv_cache_dim * model.embed.element_size()
     windows = [w for w in mc.layer_sliding_windows if w is not None]
     if not (config.swa_kv and windows):
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // (mc.num_layers * layer_bytes))

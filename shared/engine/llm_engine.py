@@ -63,13 +63,13 @@ class LLMEngine:
     @classmethod
     def from_path(cls, path=None, config: EngineConfig | None = None, progress=None) -> "LLMEngine":
         """Load a GGUF file or HF folder (``None``: the default SmolLM2) and build an engine."""
-        from shared.model.loader import load_model_files
+        from shared.model.loader import build_model, load_model_files
 
         config = config or EngineConfig()
         torch.set_num_threads(config.resolve_threads())  # process-wide: one engine per process
         model_config, weights, tokenizer = load_model_files(path, progress=progress)
         device = config.resolve_device()
-        model = LlamaModel(model_config, weights, config.resolve_dtype(device), device)
+        model = build_model(model_config, weights, config.resolve_dtype(device), device)
         return cls(model, config, tokenizer)
 
     # -- request API -------------------------------------------------------------------------------

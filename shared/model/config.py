@@ -9,6 +9,11 @@ Invariants (checked in ``__post_init__``):
 - The Gemma knobs (``hidden_act``, ``embed_scale``, ``query_pre_attn_scalar``, ``rope_local_theta``,
   ``sandwich_norms``, ``norm_weight_offset``) default to LLaMA behaviour, so a LLaMA config never sets them.
   Checkpoint norm weights keep Hugging Face's convention: the effective scale is ``norm_weight_offset + weight``.
+- ``mla`` (DeepSeek V3's multi-head latent attention) and ``moe`` (DeepSeekMoE) are ``None`` for every other
+  family. With ``mla`` the KV cache holds one latent row per token and layer (``kv_lora_rank + qk_rope_head_dim``
+  numbers) instead of per-head K and V: ``kv_cache_heads`` / ``kv_cache_dim`` say what one K (and one V) slot of
+  the paged layout holds, and a latent row fills the K slot with its first half and the V slot with its second
+  (``shared/model/mla_attention.py``), so every block mover carries it unchanged.
 """
 from __future__ import annotations
 
@@ -16,6 +21,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HIDDEN_ACTS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """MLA (DeepSeek V2/V3): queries through ``q_lora_rank`` (None: one projection), keys and values through a
+    ``kv_lora_rank`` latent shared by all heads plus a ``qk_rope_head_dim`` RoPE key shared by all heads."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's RoPE dims are interleaved pairs (V3); loaded de-interleaved
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MixtureOfExperts:
+    """DeepSeekMoE: layers ``>= first_k_dense_replace`` route each token to ``num_experts_per_tok`` of
+    ``n_routed_experts`` experts (sigmoid scores plus ``e_score_correction_bias`` for the choice, only within the
+    ``topk_group`` best of ``n_group`` groups; weights renormalised when ``norm_topk_prob``, times
+    ``routed_scaling_factor``) and always through ``n_shared_experts`` shared ones."""
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +82,8 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding-window layers (None: rope_theta everywhere)
     sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
     norm_weight_offset: float = 0.0  # every RMSNorm scales by offset + weight (Gemma: 1.0)
+    mla: LatentAttention | None = None  # DeepSeek V3 latent attention (then num_kv_heads == num_heads, unused)
+    moe: MixtureOfExperts | None = None  # DeepSeekMoE layers
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
@@ -62,6 +102,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config field {name} must be positive or None, got {value}")
+        if self.mla is not None and self.mla.latent_dim % 2:
+            raise ValueError(f"MLA latent rows must have an even width, got {self.mla.latent_dim}")
+        if self.moe is not None and (self.moe.n_routed_experts % self.moe.n_group
+                                     or not 0 < self.moe.num_experts_per_tok <= self.moe.n_routed_experts
+                                     or not 0 < self.moe.topk_group <= self.moe.n_group):
+            raise ValueError(f"inconsistent MoE config {self.moe}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("linear", "llama3", "dynamic", "yarn", "default"):
@@ -71,6 +117,16 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """Softmax scale of q·k: ``query_pre_attn_scalar ** -0.5`` (Gemma), else ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """KV heads one block slot holds: ``num_kv_heads``, or 1 latent row with ``mla``."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Numbers per head in one K (or V) slot: ``head_dim``, or half a latent row with ``mla``."""
+        return self.mla.latent_dim // 2 if self.mla is not None else self.head_dim
 
     @property
     def q_size(self) -> int:

@@ -8,7 +8,8 @@
   norms, sliding windows, vocabulary, and Gemma's knobs: activation, embedding scale, attention scalar, local RoPE
   base, sandwich norms, norm offset), so the same weights under another name share one fingerprint; fields added
   after v1 (``_LATER_FIELDS``) are left out while at their default, so builds that never set them keep the
-  fingerprint they had;
+  fingerprint they had; an MLA model's config (its latent KV layout) differs from every GQA one, so engines of
+  the two layouts never take each other's KV;
 - the run dtype (float32 and bfloat16 runs of one checkpoint compute different KV);
 - the KV layout: ``shared/model/kv_cache.py``'s block layout version and the engine's ``block_size``;
 - the tokenizer (its full ``tokenizer.json`` form, BOS/EOS ids and chat template), or "none".
@@ -47,7 +48,8 @@ FINGERPRINT_HEX = 32
 KV_LAYOUT = "kv-block-v1:[num_layers,2,kv_heads,block_size,head_dim]"  # shared/model/kv_cache.py
 _VERSION = b"deepinfer-model-fingerprint-v1"
 _LATER_FIELDS = {"hidden_act": "silu", "embed_scale": None, "query_pre_attn_scalar": None, "rope_local_theta": None,
-                 "sandwich_norms": False, "norm_weight_offset": 0.0}  # ModelConfig fields added after v1 + defaults
+                 "sandwich_norms": False, "norm_weight_offset": 0.0, "mla": None,
+                 "moe": None}  # ModelConfig fields added after v1 + defaults
 _CHUNK_BYTES = 64 << 20  # crc32 is fed in chunks, so a GPU tensor is copied to the host piece by piece
 
 
@@ -87,7 +89,12 @@ def config_digest(config: Any) -> bytes:
     """blake2b-256 of a ``ModelConfig``'s fields except its name (and later fields still at their default)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_id"}
     fields = {k: v for k, v in fields.items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
-    return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=32).digest()
+    return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=_jsonable).encode(), digest_size=32).digest()
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON form of a config field json cannot write: a nested dataclass (MLA, MoE) as its dict, else a list."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else list(value)
 
 
 def model_fingerprint(model: LlamaModel, tokenizer: Any, block_size: int) -> str:

@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.model import gemma3
+from shared.model import deepseek, gemma3
 from shared.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *deepseek.HF_MODEL_TYPES)
 Progress = Callable[[int, int], None]
 
 
@@ -66,7 +66,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
             for token in (value if isinstance(value, list) else [] if value is None else [value]):
                 if int(token) not in eos:
                     eos.append(int(token))
-        extra = gemma3.hf_knobs(raw) if model_type == "gemma3_text" else {}
+        extra = gemma3.hf_knobs(raw) if model_type == "gemma3_text" else \
+            deepseek.hf_knobs(raw) if model_type in deepseek.HF_MODEL_TYPES else {}
         return ModelConfig(**{**dict(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
             num_layers=layers, num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -117,6 +118,8 @@ def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
     """Every tensor name the model needs, in HF convention."""
+    if config.mla is not None:
+        return list(deepseek.hf_weight_shapes(config))
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -173,14 +176,21 @@ def load_hf_folder(path: str | Path, *, progress: Progress | None = None) -> tup
     missing = [n for n in expected_weight_names(config) if n not in weights]
     if missing:
         raise _corrupt(folder, f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    shapes = deepseek.hf_weight_shapes(config) if config.mla is not None else None
     for name, tensor in weights.items():
-        _check_shape(folder, config, name, tensor)
+        _check_shape(folder, config, name, tensor, shapes)
     log.info("loaded %s (%s, %d tensors) in %.1fs", folder, config.architecture, len(weights),
              time.perf_counter() - started)
     return config, weights
 
 
-def _check_shape(folder: Path, c: ModelConfig, name: str, tensor: torch.Tensor) -> None:
+def _check_shape(folder: Path, c: ModelConfig, name: str, tensor: torch.Tensor,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    if shapes is not None:   # an architecture that lists its own (DeepSeek V3)
+        expected = shapes[name]
+        if tuple(tensor.shape) != expected:
+            raise _corrupt(folder, f"tensor {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        return
     leaf = name.split(".")[-2]  # "q_proj" in "model.layers.0.self_attn.q_proj.weight"
     expected = {"embed_tokens": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size),
                 "q_proj": (c.q_size, c.hidden_size), "k_proj": (c.kv_size, c.hidden_size),

@@ -22,7 +22,7 @@ from shared.model.config import ModelConfig
 
 def allocate(num_blocks: int, config: ModelConfig, block_size: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-    return torch.zeros(num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim,
+    return torch.zeros(num_blocks, config.num_layers, 2, config.kv_cache_heads, block_size, config.kv_cache_dim,
                        dtype=dtype, device=device)
 
 
@@ -46,7 +46,7 @@ class KVGroups:
         windows = config.layer_sliding_windows
         self.full_layers = [i for i, w in enumerate(windows) if w is None]
         self.window_layers = [i for i, w in enumerate(windows) if w is not None]
-        shape = (2, config.num_kv_heads, block_size, config.head_dim)
+        shape = (2, config.kv_cache_heads, block_size, config.kv_cache_dim)
         self.full = torch.zeros(num_full, len(self.full_layers), *shape, dtype=dtype, device=device)
         self.window = torch.zeros(num_window + 1, len(self.window_layers), *shape, dtype=dtype, device=device)
         self.groups = [(0, self.full_layers.index(i)) if w is None else (1, self.window_layers.index(i))

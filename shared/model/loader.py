@@ -18,12 +18,21 @@ import torch
 
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
+from shared.model.deepseek import DeepseekV3Model
 from shared.model.gguf_loader import load_gguf, open_gguf
 from shared.model.hf_loader import load_hf_folder
+from shared.model.llama import LlamaModel
 from shared.model.locate import resolve_model
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    """The decoder for ``config``'s architecture: ``DeepseekV3Model`` for MLA configs, else ``LlamaModel``."""
+    if config.mla is not None:
+        return DeepseekV3Model(config, weights, dtype, device)
+    return LlamaModel(config, weights, dtype, device)
 
 
 def load_model_files(path: str | Path | None = None, progress: Callable[[int, int], None] | None = None,

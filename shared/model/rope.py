@@ -41,21 +41,40 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Te
     def correction_dim(num_rotations: float) -> float:
         return (head_dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     extrapolation = _default_inv_freq(head_dim, theta)
     interpolation = extrapolation / factor
     inv_freq = interpolation * ramp + extrapolation * (1 - ramp)
-    mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-    return inv_freq, mscale
+    return inv_freq, yarn_attention_factor(scaling)
 
 
-def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(cos, sin)``, each ``[max_positions, head_dim]`` (halves duplicated, NeoX layout)."""
-    d, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when not extending)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor YaRN scales cos/sin by: ``attention_factor``, else DeepSeek's ``mscale / mscale_all_dim``
+    ratio when both are given (1 for V3's 1.0 / 1.0), else ``yarn_mscale(factor)`` (as transformers)."""
+    if scaling.get("attention_factor"):
+        return scaling["attention_factor"]
+    factor, mscale, all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)``, each ``[max_positions, dim]`` (halves duplicated, NeoX layout); ``dim`` defaults to
+    ``head_dim`` (MLA rotates only ``qk_rope_head_dim`` dims)."""
+    d, theta, scaling = dim or config.head_dim, config.rope_theta, config.rope_scaling
     inv_freq, mscale = _default_inv_freq(d, theta), 1.0
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":

@@ -1,0 +1,83 @@
+"""DeepSeekMoE feed-forward (DeepSeek V3): routed experts chosen per token by a group-limited top-k over sigmoid
+scores, plus shared experts every token goes through. Semantics are transformers' ``DeepseekV3MoE``.
+
+Invariants:
+- Routing runs in float32 whatever the model dtype: ``scores = sigmoid(x @ gate^T)``; the choice ranks
+  ``scores + e_score_correction_bias``; a group's score is the sum of its two best choices; a token picks its
+  ``num_experts_per_tok`` experts among the ``topk_group`` best groups only. Its weights are the chosen experts'
+  ``scores`` (not the biased ranks), renormalised to sum 1 when ``norm_topk_prob``, times
+  ``routed_scaling_factor``.
+- Execution is grouped by expert: the (token, slot) pairs are sorted by expert once, and each expert that
+  received tokens runs one gated-MLP GEMM pair over all its rows (a loop over experts, never over tokens);
+  results are scaled by the routing weight and summed into the output in expert order.
+- ``expert_counts`` of the last call is kept (tokens per expert, ``[E]`` int64): the load signal per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.layer_ops import silu_mul
+from shared.model.config import MixtureOfExperts
+from shared.model.linear import linear
+
+
+@dataclass(slots=True)
+class MoEWeights:
+    gate: torch.Tensor  # [E, hidden] float32 router
+    bias: torch.Tensor  # [E] float32 e_score_correction_bias
+    gate_up: torch.Tensor  # [E, 2 * I, hidden]: each expert's gate rows, then its up rows
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor  # [2 * I_shared, hidden] (prepared for ``linear``)
+    shared_down: torch.Tensor  # [hidden, I_shared]
+
+
+def route(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [T, hidden]`` → ``(weights [T, k] float32, experts [T, k] int64)``."""
+    scores = torch.sigmoid(x.float() @ w.gate.T)  # [T, E]
+    choice = scores + w.bias
+    t, e = choice.shape
+    per_group = e // moe.n_group
+    group_scores = choice.view(t, moe.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)  # [T, G]
+    groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
+    allowed = group_mask.unsqueeze(-1).expand(t, moe.n_group, per_group).reshape(t, e).bool()
+    experts = choice.masked_fill(~allowed, float("-inf")).topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)  # [T, k]
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, experts
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``x: [T, hidden]`` → ``down(silu(gate(x)) * up(x))``, ``[T, hidden]``."""
+    return linear(silu_mul(linear(x, gate_up)), down)
+
+
+class MoE:
+    """One DeepSeekMoE layer's forward over its weights (``__call__``)."""
+
+    def __init__(self, weights: MoEWeights, moe: MixtureOfExperts) -> None:
+        self.w, self.moe = weights, moe
+        self.expert_counts = torch.zeros(moe.n_routed_experts, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, experts = route(x, self.w, self.moe)  # [T, k] each
+        k = experts.shape[1]
+        flat = experts.flatten()  # [T * k]: pair p is token p // k, slot p % k
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.moe.n_routed_experts)  # [E]
+        self.expert_counts = counts
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // k
+            h = silu_mul(x[tokens] @ self.w.gate_up[expert].T) @ self.w.down[expert].T  # [n, hidden]
+            h = (h * weights.flatten()[pairs, None]).to(x.dtype)   # float32 weights, as transformers
+            out.index_add_(0, tokens, h)
+        return out + gated_mlp(x, self.w.shared_gate_up, self.w.shared_down)

@@ -1,0 +1,53 @@
+"""Tiny random DeepSeek V3 checkpoints for tests: made by transformers' own ``DeepseekV3ForCausalLM`` (random
+init, then the router bias and norms perturbed so routing and every norm matter), saved as an HF folder with the
+tests' tiny byte-level tokenizer. 2 dense + 2 MoE layers, 8 routed experts in 2 groups, 1 shared expert, MLA with
+a query bottleneck, YaRN RoPE (factor 4, mscale 1 / 1) on interleaved RoPE dims: every V3 feature the loader and
+model implement."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.model_factory import BOS_ID, EOS_ID, tiny_hf_tokenizer
+
+VOCAB = 300
+
+
+def v3_config(**overrides: Any) -> dict[str, Any]:
+    """The ``DeepseekV3Config`` keyword arguments of the tiny model."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
+              qk_nope_head_dim=20, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=2,
+              max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0,
+                               "beta_fast": 32, "beta_slow": 1})
+    kw.update(overrides)
+    return kw
+
+
+def write_v3_folder(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny V3 (``v3_config(**overrides)``) as ``config.json`` + ``model.safetensors`` + tokenizer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**v3_config(**overrides))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif p.dim() == 2:
+                p.mul_(6.0)     # init std 0.02 -> 0.12: logits and routing scores that differ visibly
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+    model.save_pretrained(directory)
+    tiny_hf_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False,
+                                                                 "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.metrics.common import (E2E_BUCKETS, OUTCOME_FINISHED, TPOT_BUCKETS, TRANSFER_BUCKETS, TTFT_BUCKETS,
@@ -155,6 +156,14 @@ class WorkerCollector(Collector):
                       bm.num_query_tokens)
         yield counter(f"{P}_prefix_cache_hit_tokens", "Tokens found in the prefix cache", lb, bm.num_hit_tokens)
         yield counter(f"{P}_preemptions", "Sequences preempted (recomputed later)", lb, eng.num_preemptions)
+        load_of = getattr(eng.model, "expert_load", None)
+        if load_of is not None:   # an MoE model: tokens routed to each expert of each MoE layer
+            family = CounterMetricFamily(f"{P}_moe_expert_tokens", "Tokens routed to each expert, by MoE layer "
+                                         "(the load an expert balancer needs)", labels=[*lb, "layer", "expert"])
+            for layer, counts in load_of().items():
+                for expert, n in enumerate(counts):
+                    family.add_metric([*lb.values(), str(layer), str(expert)], n)
+            yield family
         rt = getattr(w, "runtime", None)
         if rt is not None:
             yield gauge(f"{P}_draining", "1 while the worker drains (SIGTERM, or a role switch)", lb,

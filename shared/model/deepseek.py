@@ -176,6 +176,11 @@ class DeepseekV3Model:
         """Tokens each routed expert received in the last forward, per MoE layer (the EPLB signal)."""
         return [layer.mlp.expert_counts.tolist() for layer in self.layers if isinstance(layer.mlp, MoE)]
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Layer index -> tokens each of its routed experts received since load (``/metrics``)."""
+        return {i: layer.mlp.expert_tokens.tolist() for i, layer in enumerate(self.layers)
+                if isinstance(layer.mlp, MoE)}
+
     def _attention(self, x: torch.Tensor, layer: MLALayer, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                    meta, index: int) -> torch.Tensor:
         """``x: [T, hidden]`` (normed) → the attention output ``[T, hidden]`` (stores the batch's latents)."""

@@ -10,7 +10,8 @@ Invariants:
 - Execution is grouped by expert: the (token, slot) pairs are sorted by expert once, and each expert that
   received tokens runs one gated-MLP GEMM pair over all its rows (a loop over experts, never over tokens);
   results are scaled by the routing weight and summed into the output in expert order.
-- ``expert_counts`` of the last call is kept (tokens per expert, ``[E]`` int64): the load signal per step.
+- ``expert_counts`` of the last call is kept (tokens per expert, ``[E]`` int64: the load of the last step) and
+  ``expert_tokens`` sums them over every call (what ``/metrics`` exports, the signal an expert balancer needs).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class MoE:
     def __init__(self, weights: MoEWeights, moe: MixtureOfExperts) -> None:
         self.w, self.moe = weights, moe
         self.expert_counts = torch.zeros(moe.n_routed_experts, dtype=torch.int64)
+        self.expert_tokens = torch.zeros(moe.n_routed_experts, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, experts = route(x, self.w, self.moe)  # [T, k] each
@@ -69,6 +71,7 @@ class MoE:
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.moe.n_routed_experts)  # [E]
         self.expert_counts = counts
+        self.expert_tokens += counts
         out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts.tolist()):

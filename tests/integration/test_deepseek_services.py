@@ -8,10 +8,12 @@ import pytest
 
 from shared import protocol
 from shared.client import generate
+from shared.metrics.common import render
 from tests.deepseek_factory import VOCAB, write_v3_folder
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, reference_outputs, wait_until
 from tests.integration.test_live_migration import ask_router, collect
+from tests.unit.test_metrics import parse
 
 TOKENS = 12
 
@@ -54,11 +56,19 @@ async def test_latent_kv_hand_off_and_tier_hits_are_exact(nats_server, folder, t
         decode = next(w for w in cluster.workers if w.config.role == "decode")
         port = decode.engine.kv_port
         block_bytes, hand_off = port.block_bytes, received_bytes(decode)
+        samples = parse(render(decode.metrics.registry)[0])
+    routed = {(dict(labels)["layer"], dict(labels)["expert"]): v for (name, labels), v in samples.items()
+              if name == "deepinfer_worker_moe_expert_tokens_total"}
     assert remote == expected and [t for t, _, _ in again] == expected
     assert all(usage["tier_cached_tokens"] >= len(p) - 8 - 8 for p, (_, _, usage) in zip(ps, again)), again
     assert port.block_shape == [4, 2, 1, 8, 24]          # per token and layer: one 48-number latent row
     assert block_bytes == 4 * 8 * 48 * 8                 # float64 workers
     assert 0 < hand_off <= sum(-(-len(p) // 8) for p in ps) * block_bytes
+    # expert load on /metrics: layers 2 and 3 are MoE (8 experts each); every token the decode worker computed
+    # went to 2 experts in each
+    assert {layer for layer, _ in routed} == {"2", "3"} and len(routed) == 16
+    assert sum(v for (layer, _), v in routed.items() if layer == "2") == \
+        sum(v for (layer, _), v in routed.items() if layer == "3") > 0
 
 
 async def test_a_v3_stream_moves_mid_decode_and_stays_exact(nats_server, folder):

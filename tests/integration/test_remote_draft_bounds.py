@@ -46,11 +46,13 @@ async def test_the_breaker_stops_waiting_on_a_slow_service_and_closes_when_it_re
 
         waits = await asyncio.to_thread(steps, 50)
         assert drafter.timeouts == 3 and drafter.breaker.state == "open"
-        assert sum(w >= 0.1 for w in waits) == 3 and max(waits[3:]) < 0.05  # 47 steps did not wait
+        # 47 steps did not wait: each took well under the 0.1 s timeout (a bound with room for a loaded CI host)
+        assert sum(w >= 0.1 for w in waits) == 3 and max(waits[3:]) < 0.08
         delay["s"] = 0.0                                  # the service recovers
         await asyncio.sleep(1.1)                          # the cooldown ends
         waits = await asyncio.to_thread(steps, 1)         # that step sends the trial and does not wait for it
-        assert waits[0] < 0.05 and drafter.breaker.state == "half-open"
+        # half-open until the trial's reply lands (with no delay it may already have: closed)
+        assert waits[0] < 0.08 and drafter.breaker.state in ("half-open", "closed")
         for _ in range(100):
             if drafter.breaker.state == "closed":
                 break

@@ -129,3 +129,18 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path, folder):
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DeepinferError, match="experts.5.up_proj"):
         load_model_files(broken)
+
+
+def test_speculative_verification_over_latents_equals_plain_decoding(loaded):
+    """Drafted tokens (an oracle wrong at every third position) verified by the V3 engine in one forward over
+    the latent cache, rejected ones trimmed: the same greedy tokens as plain decoding."""
+    from shared.engine.speculator import SpecConfig, Speculator
+    from tests.unit.test_spec_engine import OracleDrafter
+
+    prompts = [prompt(70), prompt(45, salt=5)]
+    expected = engine(loaded).generate(prompts, GREEDY)
+    spec = Speculator(OracleDrafter(prompts, expected, wrong_every=3), SpecConfig(k=4))
+    eng = engine(loaded)
+    eng.set_speculator(spec)
+    assert eng.generate(prompts, GREEDY) == expected
+    assert 0 < spec.counters.accepted < spec.counters.drafted

@@ -11,14 +11,16 @@ attention is then multi-query over the latent rows (scores ``q_abs . L_j``, valu
 logits agree to ~1e-6).
 
 Batch layout and metadata are ``shared/model/attention.py``'s (decode rows first, then prefill chunks; every
-layer stores the batch's rows before attending). ``attend_latent_reference`` is the plain torch version of the
-decode and prefill attention; ``attend_latent`` dispatches (the same torch code on CPU today).
+layer stores the batch's rows before attending). Decode rows go through ``kernels/mla_decode.py`` (a torch
+reference on CPU, a Triton kernel on CUDA, checked against each other under ``TRITON_INTERPRET=1``); prefill
+chunks attend in torch.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.kv_store import store_kv
+from kernels.mla_decode import mla_decode_attention
 from shared.model.attention import AttentionMetadata
 
 
@@ -46,21 +48,17 @@ def _attend_rows(q: torch.Tensor, rows: torch.Tensor, rank: int, scale: float,
     return torch.matmul(probs, rows[:, :rank]).transpose(0, 1)  # [q_len, H, rank]
 
 
-def attend_latent_reference(q_abs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
-    """``q_abs: [T, H, latent_dim]`` (absorbed queries of the batch, whose rows are already stored) → the
-    latent outputs ``[T, H, rank]``."""
+def attend_latent(q_abs: torch.Tensor, latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
+    """Store the batch's ``latent: [T, latent_dim]`` rows, then attend with its absorbed queries ``q_abs: [T, H,
+    latent_dim]``: the latent outputs ``[T, H, rank]`` (decode rows by ``kernels.mla_decode``, prefill chunks
+    causal over their sequence's rows)."""
+    store_latent(latent, k_cache, v_cache, meta.slot_mapping)
     out = q_abs.new_empty(q_abs.shape[0], q_abs.shape[1], rank)
     nd = meta.num_decode
     if nd:
-        tables = meta.decode_block_tables.long()  # [nd, max_blocks]
-        lens = meta.decode_context_lens.long()    # [nd]
-        rows = gather_latent(k_cache, v_cache, tables.flatten()).view(nd, -1, q_abs.shape[-1])  # [nd, n, latent]
-        seen = torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]  # [nd, n]
-        scores = torch.matmul(q_abs[:nd], rows.transpose(1, 2)) * scale  # [nd, H, n]
-        scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
-        out[:nd] = torch.matmul(probs, rows[:, :, :rank])  # [nd, H, rank]
+        out[:nd] = mla_decode_attention(q_abs[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_context_lens, rank, scale)
     for chunk in meta.prefills:
         q_len, n = chunk.end - chunk.start, chunk.context_len
         rows = gather_latent(k_cache, v_cache, chunk.block_table.long())[:n]  # [n, latent]
@@ -69,10 +67,3 @@ def attend_latent_reference(q_abs: torch.Tensor, k_cache: torch.Tensor, v_cache:
         out[chunk.start:chunk.end] = _attend_rows(q_abs[chunk.start:chunk.end].transpose(0, 1), rows, rank,
                                                   scale, mask)
     return out
-
-
-def attend_latent(q_abs: torch.Tensor, latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
-    """Store the batch's ``latent: [T, latent_dim]`` rows, then attend: ``[T, H, rank]`` (see the module)."""
-    store_latent(latent, k_cache, v_cache, meta.slot_mapping)
-    return attend_latent_reference(q_abs, k_cache, v_cache, meta, rank, scale)

@@ -293,7 +293,8 @@ class HttpApi:
                                                   text, so_far, choice.last_reasoning):
                 await _sse(request, response, event)
             if calls:
-                await _sse(request, response, openai_api.tool_calls_event(call, rid, created, chunk.index, calls))
+                await _sse(request, response, openai_api.tool_calls_event(call, rid, created, chunk.index, calls,
+                                                                          chunk.finish_reason))
             started.add(chunk.index)
             if chunk.final:
                 usages[chunk.index] = choice.usage(chunk.usage)

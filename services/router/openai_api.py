@@ -326,14 +326,15 @@ def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | No
 def choice_body(call: ApiCall, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
                 calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     """One choice of a non-streaming answer; ``logprobs`` already in the API's shape (``openai_logprobs``);
-    ``calls``: the tool calls (``finish_reason`` is then ``tool_calls``)."""
+    ``calls``: the tool calls (``finish_reason`` is then ``tool_calls``, unless ``length``: a call cut by
+    ``max_tokens`` did not finish, and clients must not take its arguments for complete)."""
     if call.chat:
         message = {"role": "assistant", "content": text}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
-            finish_reason = "tool_calls"
+            finish_reason = "length" if finish_reason == "length" else "tool_calls"
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -367,11 +368,14 @@ def stream_events(call: ApiCall, rid: str, created: int, chunk: protocol.TokenCh
     return [event]
 
 
-def tool_calls_event(call: ApiCall, rid: str, created: int, index: int, calls: list[dict]) -> dict:
-    """A streamed choice's tool calls, each whole in one delta, and ``finish_reason: tool_calls``."""
+def tool_calls_event(call: ApiCall, rid: str, created: int, index: int, calls: list[dict],
+                     finish_reason: str | None = None) -> dict:
+    """A streamed choice's tool calls, each whole in one delta, and ``finish_reason: tool_calls`` (``length``
+    when ``max_tokens`` cut them: see ``choice_body``)."""
     deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+    finish = "length" if finish_reason == "length" else "tool_calls"
     return {**_head(call, rid, created, True), "choices": [{"index": index, "delta": {"tool_calls": deltas},
-                                                            "logprobs": None, "finish_reason": "tool_calls"}]}
+                                                            "logprobs": None, "finish_reason": finish}]}
 
 
 def usage_event(call: ApiCall, rid: str, created: int, usage: dict) -> dict:

@@ -23,14 +23,18 @@ MAX_PROMPT_LOGPROB_ENTRIES = 32_768   # prompt tokens x (1 + k) on one chunk: ~0
 @wire_message(1 << 20)
 class Logprobs(WireModel):
     """``token_logprobs[i]``: the log-probability of token ``i``; ``top_ids[i]`` / ``top_logprobs[i]``: the ``k``
-    most likely tokens of its position and theirs."""
+    most likely tokens of its position and theirs; ``ranks[i]``: token ``i``'s rank in its position's
+    distribution (1: the most likely; vLLM's ``prompt_logprobs`` shows it), or empty when not computed."""
     token_logprobs: list[float] = wire_field(default_factory=list, max_len=1 << 17)
     top_ids: list[list[int]] = wire_field(default_factory=list, max_len=1 << 17)
     top_logprobs: list[list[float]] = wire_field(default_factory=list, max_len=1 << 17)
+    ranks: list[int] = wire_field(default_factory=list, max_len=1 << 17)
 
     def _check(self) -> None:
-        if not len(self.token_logprobs) == len(self.top_ids) == len(self.top_logprobs):
-            raise invalid("field 'logprobs': token_logprobs, top_ids and top_logprobs need one entry per token")
+        if not len(self.token_logprobs) == len(self.top_ids) == len(self.top_logprobs) or \
+                len(self.ranks) not in (0, len(self.token_logprobs)):
+            raise invalid("field 'logprobs': token_logprobs, top_ids, top_logprobs (and ranks) need one entry per "
+                          "token")
 
     def __len__(self) -> int:
         return len(self.token_logprobs)
@@ -38,17 +42,19 @@ class Logprobs(WireModel):
     def head(self, n: int) -> "Logprobs":
         """The entries of the first ``n`` tokens."""
         return Logprobs(token_logprobs=self.token_logprobs[:n], top_ids=self.top_ids[:n],
-                        top_logprobs=self.top_logprobs[:n])
+                        top_logprobs=self.top_logprobs[:n], ranks=self.ranks[:n])
 
     def extend(self, other: "Logprobs") -> None:
         self.token_logprobs.extend(other.token_logprobs)
         self.top_ids.extend(other.top_ids)
         self.top_logprobs.extend(other.top_logprobs)
+        self.ranks.extend(other.ranks)
 
 
-def of_tokens(logits: torch.Tensor, tokens: list[int], k: int) -> Logprobs:
+def of_tokens(logits: torch.Tensor, tokens: list[int], k: int, ranks: bool = False) -> Logprobs:
     """``logits: [N, V]`` (raw: before processors) and the ``N`` tokens chosen at those positions -> their
-    ``Logprobs`` with the top ``k`` (0: none) of each position."""
+    ``Logprobs`` with the top ``k`` (0: none) of each position; with ``ranks`` each token's rank too (1 + the
+    number of tokens more likely than it)."""
     lp = torch.log_softmax(logits.float(), dim=-1)                                     # [N, V]
     chosen = lp.gather(1, torch.as_tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0]
     if k > 0:
@@ -56,4 +62,5 @@ def of_tokens(logits: torch.Tensor, tokens: list[int], k: int) -> Logprobs:
         top_ids, top_lps = ids.tolist(), values.tolist()
     else:
         top_ids, top_lps = [[] for _ in tokens], [[] for _ in tokens]
-    return Logprobs(token_logprobs=chosen.tolist(), top_ids=top_ids, top_logprobs=top_lps)
+    rank = ((lp > chosen[:, None]).sum(-1) + 1).tolist() if ranks else []
+    return Logprobs(token_logprobs=chosen.tolist(), top_ids=top_ids, top_logprobs=top_lps, ranks=rank)

@@ -205,7 +205,8 @@ class HttpApi:
             call = openai_api.parse_call(body, chat, self.router.config.user_cache_salt)
             if not call.model:   # every response names the model it came from
                 call = dataclasses.replace(call, model=self.router.served_name)
-            wants_prompt = call.echo or call.continuous_usage or call.return_token_ids or (call.logprobs and not chat)
+            wants_prompt = call.echo or call.continuous_usage or call.return_token_ids or call.prompt_logprobs or \
+                (call.logprobs and not chat)
             prompt_ids = await self.router.tokenize(call.request) if wants_prompt else None
         except DeepinferError as exc:
             return _error(exc)
@@ -259,14 +260,18 @@ class HttpApi:
             if chunk.final:
                 finals[chunk.index] = chunk
         bodies = []
+        prompt_lps = choices[0].vllm_prompt_logprobs() if call.prompt_logprobs else None   # choice 0 carries them
         for i, c in enumerate(choices):
             content, calls = c.message() if call.chat else (c.text, [])
             bodies.append(openai_api.choice_body(call, i, content, finals[i].finish_reason, c.logprobs(), calls,
                                                  c.reasoning))
             if call.return_token_ids:
                 bodies[-1]["token_ids"] = c.token_ids
+            if call.prompt_logprobs and not call.chat:   # vLLM: per completion choice
+                bodies[-1]["prompt_logprobs"] = prompt_lps
         usage = openai_api.merged_usage([c.usage(finals[i].usage) for i, c in enumerate(choices)])
-        return web.json_response(openai_api.full_response(call, rid, bodies, usage, choices[0].prompt_ids))
+        return web.json_response(openai_api.full_response(call, rid, bodies, usage, choices[0].prompt_ids,
+                                                          prompt_lps))
 
     async def _stream(self, request, call, rid, sink, task, choices: list[Choice]) -> web.StreamResponse:
         chunk = await self._next(sink, task)

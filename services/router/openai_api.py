@@ -21,8 +21,9 @@ Pure functions (no I/O), so every mapping is unit-tested without a server. Invar
   once and every choice's completion tokens.
 - Log-probabilities: chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` (0..20) and ``echo`` (the
   prompt's text, and with ``logprobs`` its tokens' logprobs, before the completion; ``max_tokens: 0`` with
-  ``echo`` scores the prompt alone) and vLLM's ``prompt_logprobs`` (completions only); values from the raw model distribution
-  (``shared/logprobs.py``), shapes in ``openai_logprobs``.
+  ``echo`` scores the prompt alone) and vLLM's ``prompt_logprobs`` (chat and completions; its list with ranks on
+  non-streaming answers, as vLLM shapes it); values from the raw model distribution (``shared/logprobs.py``),
+  shapes in ``openai_logprobs``.
 - deepinfer extras are accepted as top-level body fields (the openai client's ``extra_body``): ``retention``,
   ``speculative``, ``prefill_mode``, ``cache_salt``, ``timeout_s``.
 - ``model`` in every response is the request's, else the served model id; ``return_token_ids`` (vLLM's) adds
@@ -52,10 +53,10 @@ _EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": 
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar")
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
-          "logprobs", "return_token_ids", *_STRUCTURED, *_EXTRAS}
+          "logprobs", "return_token_ids", "prompt_logprobs", *_STRUCTURED, *_EXTRAS}
 _KNOWN_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "tool_choice",
                "function_call", "parallel_tool_calls", "chat_template_kwargs"}
-_KNOWN_COMPLETIONS = {"prompt", "echo", "prompt_logprobs"}
+_KNOWN_COMPLETIONS = {"prompt", "echo"}
 # not served yet: accepted only at a value that changes nothing (or null); anything else is a 400 naming it
 _NEUTRAL = {"best_of": (1,), "echo": (False,), "top_logprobs": (0,),
             "suffix": ("",)}
@@ -79,6 +80,7 @@ class ApiCall:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every streamed chunk
     tools: tool_calls.ToolPlan = tool_calls.ToolPlan(None, None, "none")   # chat: tools and how to read them
     return_token_ids: bool = False  # vLLM's: the prompt's ids on the response, each choice's output ids
+    prompt_logprobs: bool = False  # vLLM's field given: its ``prompt_logprobs`` list (non-streaming answers)
 
 
 def _get(body: dict, name: str, kinds, default=None):
@@ -215,15 +217,15 @@ def parse_call(body: Any, chat: bool, user_cache_salt: bool = False) -> ApiCall:
     logprobs, echo = _logprobs(body, chat, fields), bool(not chat and _get(body, "echo", bool, False))
     if echo and logprobs:
         fields.setdefault("prompt_logprobs", fields["logprobs"])   # echo + logprobs: the prompt's too (vLLM)
-    if fields.get("prompt_logprobs") is not None:
-        logprobs = True
+    if echo and fields.get("prompt_logprobs") is not None:
+        logprobs = True   # the echoed prompt's rows carry them (vLLM's own list comes with call.prompt_logprobs)
     request = protocol.GenerateRequest(
         model=model, max_tokens=max_tokens, temperature=float(_get(body, "temperature", (int, float), 1.0)),
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int, None),
         stop=_stop(body), **fields)
     return ApiCall(request, chat, stream, bool(options.get("include_usage")), model, user, logprobs, echo,
                    prompt_only, bool(options.get("continuous_usage_stats")), plan,
-                   _get(body, "return_token_ids", bool, False))
+                   _get(body, "return_token_ids", bool, False), body.get("prompt_logprobs") is not None)
 
 
 def structured_spec(body: dict) -> dict | None:
@@ -279,10 +281,10 @@ def _logprobs(body: dict, chat: bool, fields: dict) -> bool:
         if not _get(body, "logprobs", bool, False):
             if top:
                 raise invalid("parameter 'top_logprobs' needs 'logprobs': true")
-            return False
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        elif top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise invalid(f"parameter 'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top}")
-        fields["logprobs"] = top or 0
+        else:
+            fields["logprobs"] = top or 0
     else:
         count = _get(body, "logprobs", int, None)
         if count is None:
@@ -314,12 +316,14 @@ def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:
 
 
 def full_response(call: ApiCall, rid: str, choices: list[dict], usage: dict | None,
-                  prompt_token_ids: list[int] | None = None) -> dict:
+                  prompt_token_ids: list[int] | None = None, prompt_logprobs: list | None = None) -> dict:
     """The non-streaming answer; ``choices`` from ``choice_body``, in index order (``return_token_ids``: the
-    prompt's ids too)."""
+    prompt's ids too; chat with vLLM's ``prompt_logprobs``: those, on the response as vLLM puts them)."""
     answer = {**_head(call, rid, int(time.time()), False), "choices": choices, "usage": usage_block(usage)}
     if call.return_token_ids:
         answer["prompt_token_ids"] = prompt_token_ids
+    if call.chat and call.prompt_logprobs:
+        answer["prompt_logprobs"] = prompt_logprobs
     return answer
 
 

@@ -32,6 +32,11 @@ class Choice:
         self._offset = 0          # completions' text_offset of the next streamed piece
         self.completion_tokens = 0  # the generated tokens this choice shows so far
         self.token_ids: list[int] = []  # and their ids (return_token_ids)
+        self.prompt_entries = None  # the prompt's Logprobs (first chunk), when asked
+
+    def vllm_prompt_logprobs(self) -> list | None:
+        """vLLM's ``prompt_logprobs`` of this choice's prompt (``openai_logprobs.vllm_prompt``)."""
+        return openai_logprobs.vllm_prompt(self.prompt_ids, self.prompt_entries, self.tokenizer)
 
     def piece(self, chunk: protocol.TokenChunk) -> tuple[str, dict | None]:
         """The text and logprobs (API shape; None when not asked) ``chunk`` adds."""
@@ -41,8 +46,8 @@ class Choice:
             text = self.echo_text()
             if self.call.logprobs:
                 rows.add_prompt(self.prompt_ids, chunk.prompt_logprobs)
-        elif chunk.prompt_logprobs is not None and not self.call.chat and self.call.logprobs:
-            rows.add_prompt(self.prompt_ids, chunk.prompt_logprobs)    # prompt_logprobs without echo
+        if chunk.prompt_logprobs is not None:
+            self.prompt_entries = chunk.prompt_logprobs   # vLLM's prompt_logprobs (``vllm_prompt_logprobs``)
         if not self.call.prompt_only:
             piece = chunk.text
             if self.thinking is not None:

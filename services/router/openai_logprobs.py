@@ -6,6 +6,10 @@
   the prompt's tokens come first, the first of them with ``null`` logprob and ``null`` top logprobs (nothing
   predicts it), as vLLM and OpenAI's legacy API answer.
 
+- vLLM's ``prompt_logprobs`` (completions: per choice; chat: on the response): one entry per prompt token,
+  ``None`` for the first, then ``{token id: {"logprob", "rank", "decoded_token"}}`` holding the prompt token and
+  the top alternatives (ranks 1.. in order).
+
 A token's text is its own decoding (special tokens shown); ``bytes`` are that text's UTF-8 bytes (a token that
 is part of a multi-byte character decodes to U+FFFD). ``text_offset`` counts characters from the start of the
 choice's text (the echoed prompt included), over the tokens' texts. Pure functions of their inputs.
@@ -85,3 +89,20 @@ def text_length(rows: LogprobRows, tokenizer) -> int:
     """The characters ``completion`` counts over ``rows`` (where a stream's next chunk starts)."""
     cache: dict[int, str] = {}
     return sum(len(_text(tokenizer, t, cache)) for t in rows.token_ids)
+
+
+def vllm_prompt(prompt_ids: list[int], lps: Logprobs | None, tokenizer) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of a prompt whose tokens ``1..`` ``lps`` scores (ranks from the workers)."""
+    cache: dict[int, str] = {}
+    out: list[dict | None] = [None] * (len(prompt_ids) - (len(lps) if lps is not None else 0))
+    if lps is None:
+        return out
+    ranks = lps.ranks or [None] * len(lps)
+    scored = prompt_ids[len(out):]
+    for token_id, logprob, rank, ids, values in zip(scored, lps.token_logprobs, ranks, lps.top_ids,
+                                                   lps.top_logprobs):
+        entry = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": _text(tokenizer, token_id, cache)}}
+        for r, (i, v) in enumerate(zip(ids, values), start=1):
+            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": _text(tokenizer, i, cache)})
+        out.append(entry)
+    return out

@@ -150,7 +150,7 @@ class ModelRunner:
         for req, first, score_rows in scored:    # rows after the sample rows, in order
             targets = req.prompt_token_ids[first + 1:first + 1 + len(score_rows)]
             req.prompt_logprobs.extend(of_tokens(logits[row:row + len(score_rows)], targets,
-                                                 req.params.prompt_logprobs))
+                                                 req.params.prompt_logprobs, ranks=True))
             row += len(score_rows)
         if not sampled:
             return result

@@ -108,6 +108,35 @@ async def test_logprobs_through_the_hand_off_equal_the_engines(nats_server, fold
         assert await wait_until(lambda: all_blocks_free(cluster))
 
 
+async def test_vllm_prompt_logprobs_on_chat_and_completions(nats_server, folder, engine):
+    """vLLM's ``prompt_logprobs``: a list per prompt token (``None`` first), each entry keyed by token id with
+    ``logprob``, ``rank`` and ``decoded_token`` for the prompt token and the top alternatives; on completion
+    choices and, for chat, on the response; values equal the engine's, ranks consistent with them."""
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    _, _, prompt_lps, _ = run(engine, prompt_ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    async with InProcessCluster(nats_server.url, folder, router_kw={"http_port": 0}) as cluster:
+        api = client(cluster)
+        done = await api.completions.create(model="default", prompt=[prompt_ids], max_tokens=2, temperature=0,
+                                            extra_body={"prompt_logprobs": 2, **REMOTE})
+        listed = done.choices[0].model_extra["prompt_logprobs"]
+        assert done.choices[0].logprobs is None and len(listed) == len(prompt_ids) and listed[0] is None
+        for token, entry, want in zip(prompt_ids[1:], listed[1:], prompt_lps.token_logprobs):
+            mine = entry[str(token)]
+            assert mine["logprob"] == pytest.approx(want, abs=1e-6) and mine["decoded_token"] == \
+                engine.tokenizer.decode([token], skip_special_tokens=False)
+            ranked = sorted(entry.values(), key=lambda e: e["rank"])
+            assert [e["rank"] for e in ranked if e is not mine][:2] == [1, 2] or mine["rank"] <= 2
+            assert all(e["logprob"] <= ranked[0]["logprob"] for e in ranked) and mine["rank"] >= 1
+            assert (mine["rank"] == 1) == (mine["logprob"] >= max(e["logprob"] for e in ranked) - 1e-9)
+        chat = await api.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, temperature=0,
+                                                 extra_body={"prompt_logprobs": 1, **REMOTE})
+        listed = chat.model_extra["prompt_logprobs"]
+        assert listed[0] is None and len(listed) == chat.usage.prompt_tokens and chat.choices[0].logprobs is None
+        assert all(1 <= len(e) <= 2 and all(v["rank"] >= 1 for v in e.values()) for e in listed[1:])
+        await api.close()
+
+
 async def test_echo_with_max_tokens_zero_scores_the_prompt_alone(nats_server, folder, engine):
     """What lm-eval's loglikelihood requests are: token ids in, the prompt's logprobs out, nothing generated."""
     prompt_ids = engine.tokenizer.encode(PROMPT)

@@ -30,13 +30,29 @@ def v3_config(**overrides: Any) -> dict[str, Any]:
     return kw
 
 
-def write_v3_folder(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write the tiny V3 (``v3_config(**overrides)``) as ``config.json`` + ``model.safetensors`` + tokenizer."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def v2_config(**overrides: Any) -> dict[str, Any]:
+    """The ``DeepseekV2Config`` keyword arguments of a tiny V2-Lite-shaped model: no query bottleneck, softmax
+    routing limited to the best group (``group_limited_greedy``), no correction bias."""
+    kw = v3_config(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    kw.pop("rope_parameters")
+    kw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 1024, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "beta_fast": 32, "beta_slow": 1}
+    kw.update(overrides)
+    return kw
+
+
+def write_v3_folder(directory: str | Path, seed: int = 0, version: int = 3, **overrides: Any) -> Path:
+    """Write the tiny V3 (``v3_config(**overrides)``; ``version=2``: the tiny V2, ``v2_config``) as
+    ``config.json`` + ``model.safetensors`` + tokenizer."""
+    import transformers
 
     directory = Path(directory)
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**v3_config(**overrides))).eval()
+    if version == 2:
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**v2_config(**overrides))).eval()
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**v3_config(**overrides))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -42,9 +42,11 @@ class LatentAttention:
 @dataclass(frozen=True, slots=True)
 class MixtureOfExperts:
     """DeepSeekMoE: layers ``>= first_k_dense_replace`` route each token to ``num_experts_per_tok`` of
-    ``n_routed_experts`` experts (sigmoid scores plus ``e_score_correction_bias`` for the choice, only within the
-    ``topk_group`` best of ``n_group`` groups; weights renormalised when ``norm_topk_prob``, times
-    ``routed_scaling_factor``) and always through ``n_shared_experts`` shared ones."""
+    ``n_routed_experts`` experts and always through ``n_shared_experts`` shared ones. ``scoring`` ``sigmoid``
+    (V3: the choice ranks scores plus ``e_score_correction_bias`` within the ``topk_group`` best of ``n_group``
+    groups; weights renormalised when ``norm_topk_prob``) or ``softmax`` (V2: ``topk_method`` ``greedy``, or
+    ``group_limited_greedy`` within the best groups by their top score; weights not renormalised); weights times
+    ``routed_scaling_factor`` (``shared/model/moe.py``)."""
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int
@@ -54,6 +56,8 @@ class MixtureOfExperts:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    scoring: str = "sigmoid"  # sigmoid (V3) | softmax (V2)
+    topk_method: str = "noaux_tc"  # V3's; V2: greedy | group_limited_greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,9 @@ class ModelConfig:
                                      or not 0 < self.moe.num_experts_per_tok <= self.moe.n_routed_experts
                                      or not 0 < self.moe.topk_group <= self.moe.n_group):
             raise ValueError(f"inconsistent MoE config {self.moe}")
+        if self.moe is not None and (self.moe.scoring, self.moe.topk_method) not in (
+                ("sigmoid", "noaux_tc"), ("softmax", "greedy"), ("softmax", "group_limited_greedy")):
+            raise ValueError(f"unsupported MoE routing {self.moe.scoring} / {self.moe.topk_method}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("linear", "llama3", "dynamic", "yarn", "default"):

@@ -1,4 +1,5 @@
-"""DeepSeek V3 decoder (``deepseek_v3``: DeepSeek-V3 / R1 / V3.1 and models of the same architecture) over a
+"""DeepSeek V3 decoder (``deepseek_v3``: DeepSeek-V3 / R1 / V3.1 and models of the same architecture; and
+``deepseek_v2``: V2 / V2-Lite, the same layers with softmax routing, ``MixtureOfExperts.scoring``) over a
 paged latent KV cache: multi-head latent attention (``shared/model/mla_attention.py``) and DeepSeekMoE layers
 after ``first_k_dense_replace`` dense ones (``shared/model/moe.py``).
 
@@ -33,7 +34,7 @@ from shared.model.mla_attention import attend_latent
 from shared.model.moe import MoE, MoEWeights, gated_mlp
 from shared.model.rope import build_rope_cache, yarn_mscale
 
-HF_MODEL_TYPES = ("deepseek_v3",)
+HF_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
 
 @dataclass(slots=True)
@@ -78,7 +79,9 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[a + "q_proj.weight"] = (heads * qk, d)
         if moe is not None and i >= moe.first_k_dense_replace:
             e, f, fs = moe.n_routed_experts, moe.moe_intermediate_size, moe.moe_intermediate_size * moe.n_shared_experts
-            shapes.update({p + "mlp.gate.weight": (e, d), p + "mlp.gate.e_score_correction_bias": (e,)})
+            shapes[p + "mlp.gate.weight"] = (e, d)
+            if moe.scoring == "sigmoid":
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
             shapes.update({p + f"mlp.shared_experts.{x}_proj.weight": (fs, d) for x in ("gate", "up")})
             shapes[p + "mlp.shared_experts.down_proj.weight"] = (d, fs)
             for k in range(e):
@@ -98,13 +101,17 @@ def hf_knobs(raw: dict) -> dict:
                           qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                           v_head_dim=int(raw["v_head_dim"]), rope_interleave=bool(raw.get("rope_interleave", True)))
     moe = None
+    v2 = raw.get("model_type") == "deepseek_v2"
     if raw.get("n_routed_experts"):
         moe = MixtureOfExperts(
             n_routed_experts=int(raw["n_routed_experts"]), n_shared_experts=int(raw.get("n_shared_experts") or 0),
             num_experts_per_tok=int(raw["num_experts_per_tok"]), moe_intermediate_size=int(raw["moe_intermediate_size"]),
             first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0), n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1), norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+            topk_group=int(raw.get("topk_group") or 1),
+            norm_topk_prob=False if v2 else bool(raw.get("norm_topk_prob", True)),   # V2 never renormalises
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            scoring="softmax" if v2 else "sigmoid",
+            topk_method=str(raw.get("topk_method") or "greedy") if v2 else "noaux_tc")
     return {"mla": mla, "moe": moe, "num_kv_heads": heads,
             "head_dim": mla.qk_nope_head_dim + mla.qk_rope_head_dim}
 
@@ -145,7 +152,8 @@ class DeepseekV3Model:
                 shared = p + "mlp.shared_experts."
                 mlp = MoE(MoEWeights(
                     gate=take(p + "mlp.gate.weight", wide=True),
-                    bias=take(p + "mlp.gate.e_score_correction_bias", wide=True),
+                    bias=take(p + "mlp.gate.e_score_correction_bias", wide=True) if moe.scoring == "sigmoid"
+                    else torch.zeros(moe.n_routed_experts, device=device),
                     gate_up=torch.stack([torch.cat([take(e + "gate_proj.weight"), take(e + "up_proj.weight")])
                                          for e in experts]),
                     down=torch.stack([take(e + "down_proj.weight") for e in experts]),

@@ -1,12 +1,15 @@
-"""DeepSeekMoE feed-forward (DeepSeek V3): routed experts chosen per token by a group-limited top-k over sigmoid
-scores, plus shared experts every token goes through. Semantics are transformers' ``DeepseekV3MoE``.
+"""DeepSeekMoE feed-forward (DeepSeek V3, and V2's routing): routed experts chosen per token by a (group-limited)
+top-k, plus shared experts every token goes through. Semantics are transformers' ``DeepseekV3MoE`` /
+``DeepseekV2Moe``.
 
 Invariants:
 - Routing runs in float32 whatever the model dtype: ``scores = sigmoid(x @ gate^T)``; the choice ranks
   ``scores + e_score_correction_bias``; a group's score is the sum of its two best choices; a token picks its
   ``num_experts_per_tok`` experts among the ``topk_group`` best groups only. Its weights are the chosen experts'
   ``scores`` (not the biased ranks), renormalised to sum 1 when ``norm_topk_prob``, times
-  ``routed_scaling_factor``.
+  ``routed_scaling_factor``. V2 (``scoring`` softmax): ``scores = softmax(x @ gate^T)``; ``greedy`` takes the
+  top ``k`` scores, ``group_limited_greedy`` the top ``k`` within the ``topk_group`` groups whose best score is
+  highest; weights are those scores, not renormalised, times ``routed_scaling_factor``.
 - Execution is grouped by expert: the (token, slot) pairs are sorted by expert once, and each expert that
   received tokens runs one gated-MLP GEMM pair over all its rows (a loop over experts, never over tokens);
   results are scaled by the routing weight and summed into the output in expert order.
@@ -36,6 +39,8 @@ class MoEWeights:
 
 def route(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """``x: [T, hidden]`` → ``(weights [T, k] float32, experts [T, k] int64)``."""
+    if moe.scoring == "softmax":
+        return _route_v2(x, w, moe)
     scores = torch.sigmoid(x.float() @ w.gate.T)  # [T, E]
     choice = scores + w.bias
     t, e = choice.shape
@@ -48,6 +53,20 @@ def route(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.
     weights = scores.gather(1, experts)  # [T, k]
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, experts
+
+
+def _route_v2(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.softmax(x.float() @ w.gate.T, dim=-1)  # [T, E]
+    if moe.topk_method == "group_limited_greedy":
+        t, e = scores.shape
+        per_group = e // moe.n_group
+        group_scores = scores.view(t, moe.n_group, per_group).max(dim=-1).values  # [T, G]
+        groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
+        allowed = group_mask.unsqueeze(-1).expand(t, moe.n_group, per_group).reshape(t, e).bool()
+        scores = scores.masked_fill(~allowed, 0.0)
+    weights, experts = scores.topk(moe.num_experts_per_tok, dim=-1, sorted=False)
     return weights * moe.routed_scaling_factor, experts
 
 

@@ -144,3 +144,21 @@ def test_speculative_verification_over_latents_equals_plain_decoding(loaded):
     eng.set_speculator(spec)
     assert eng.generate(prompts, GREEDY) == expected
     assert 0 < spec.counters.accepted < spec.counters.drafted
+
+
+def test_deepseek_v2_lite_shape_equals_transformers(tmp_path):
+    """DeepSeek V2 (``deepseek_v2``, V2-Lite's shape: no query bottleneck; softmax routing limited to the best
+    group, no renormalisation, no correction bias; complex-number RoPE on interleaved pairs): fp32 logits within
+    1e-5 of transformers' ``DeepseekV2ForCausalLM`` over 600 tokens, engine greedy equal to its generate."""
+    folder = write_v3_folder(tmp_path / "dsv2", seed=4, version=2)
+    config, weights, tokenizer = load_model_files(folder)
+    assert config.architecture == "deepseek_v2" and config.mla.q_lora_rank is None
+    assert config.moe.scoring == "softmax" and config.moe.topk_method == "group_limited_greedy"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = prompt(600)
+    ours = all_logits(build_model(config, weights, torch.float32, CPU), ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        generated = hf.generate(torch.tensor([ids[:200]]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0]
+    assert (ours - ref).abs().max().item() < 1e-5, (ours - ref).abs().max()
+    assert engine((config, weights, tokenizer)).generate([ids[:200]], GREEDY)[0] == generated[200:].tolist()

@@ -301,7 +301,7 @@ def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int
         num_full, num_window = config.num_kv_blocks, config.num_window_kv_blocks or config.num_kv_blocks
     else:
         min_window = min(min_window_blocks(window, bs, step), -(-max_model_len // bs))
+        context = config.swa_kv_context or min(max_model_len, SWA_KV_CONTEXT)
         num_full, num_window = pool_sizes(config.kv_cache_bytes, (mc.num_layers - len(windows)) * layer_bytes,
-                                          len(windows) * layer_bytes, config.swa_kv_context or min(max_model_len, SWA_KV_CONTEXT),
-                                          window, bs, min_window, step)
+                                          len(windows) * layer_bytes, context, window, bs, min_window, step)
     return HybridBlockManager(num_full, num_window, bs, window, config.enable_prefix_caching, max_step_tokens=step)

@@ -105,7 +105,8 @@ def hf_knobs(raw: dict) -> dict:
     if raw.get("n_routed_experts"):
         moe = MixtureOfExperts(
             n_routed_experts=int(raw["n_routed_experts"]), n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            num_experts_per_tok=int(raw["num_experts_per_tok"]), moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
             first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0), n_group=int(raw.get("n_group") or 1),
             topk_group=int(raw.get("topk_group") or 1),
             norm_topk_prob=False if v2 else bool(raw.get("norm_topk_prob", True)),   # V2 never renormalises

@@ -1,9 +1,8 @@
 """``lm-eval`` against the served path: its ``local-completions`` model (token-id prompts, ``echo`` +
 ``logprobs`` + ``max_tokens`` as it sends them) runs a multiple-choice loglikelihood task whose data and YAML the
 test writes to disk (the ``lm_eval`` CLI in a subprocess, as users run it), through the router's HTTP API, a
-prefill and a decode worker on a tiny random model. Every
-choice's loglikelihood lm-eval computed equals HF transformers' on the same model and the same token ids within
-1e-4, and so does its accuracy."""
+prefill and a decode worker on a tiny random model. Every choice's loglikelihood lm-eval computed equals HF
+transformers' on the same model and the same token ids within 1e-4, and so does its accuracy."""
 import asyncio
 import json
 import os

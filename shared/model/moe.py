@@ -43,29 +43,27 @@ def route(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.
         return _route_v2(x, w, moe)
     scores = torch.sigmoid(x.float() @ w.gate.T)  # [T, E]
     choice = scores + w.bias
-    t, e = choice.shape
-    per_group = e // moe.n_group
-    group_scores = choice.view(t, moe.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)  # [T, G]
-    groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
-    allowed = group_mask.unsqueeze(-1).expand(t, moe.n_group, per_group).reshape(t, e).bool()
-    experts = choice.masked_fill(~allowed, float("-inf")).topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]
+    grouped = choice.view(choice.shape[0], moe.n_group, -1)  # [T, G, E / G]
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)  # [T, G]: each group's two best
+    experts = choice.masked_fill(~_in_best_groups(group_scores, moe, choice.shape[1]), float("-inf")).topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)  # [T, k]
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * moe.routed_scaling_factor, experts
 
 
+def _in_best_groups(group_scores: torch.Tensor, moe: MixtureOfExperts, num_experts: int) -> torch.Tensor:
+    """``[T, E]`` bool: the experts of each token's ``topk_group`` best groups (``group_scores: [T, G]``)."""
+    groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()  # [T, G]
+    return mask.repeat_interleave(num_experts // moe.n_group, dim=1)
+
+
 def _route_v2(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.softmax(x.float() @ w.gate.T, dim=-1)  # [T, E]
     if moe.topk_method == "group_limited_greedy":
-        t, e = scores.shape
-        per_group = e // moe.n_group
-        group_scores = scores.view(t, moe.n_group, per_group).max(dim=-1).values  # [T, G]
-        groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
-        allowed = group_mask.unsqueeze(-1).expand(t, moe.n_group, per_group).reshape(t, e).bool()
-        scores = scores.masked_fill(~allowed, 0.0)
+        group_scores = scores.view(scores.shape[0], moe.n_group, -1).max(dim=-1).values  # [T, G]
+        scores = scores.masked_fill(~_in_best_groups(group_scores, moe, scores.shape[1]), 0.0)
     weights, experts = scores.topk(moe.num_experts_per_tok, dim=-1, sorted=False)
     return weights * moe.routed_scaling_factor, experts
 
@@ -91,6 +89,7 @@ class MoE:
         counts = torch.bincount(flat, minlength=self.moe.n_routed_experts)  # [E]
         self.expert_counts = counts
         self.expert_tokens += counts
+        pair_weights = weights.flatten()  # [T * k] float32
         out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts.tolist()):
@@ -100,6 +99,6 @@ class MoE:
             start += n
             tokens = pairs // k
             h = silu_mul(x[tokens] @ self.w.gate_up[expert].T) @ self.w.down[expert].T  # [n, hidden]
-            h = (h * weights.flatten()[pairs, None]).to(x.dtype)   # float32 weights, as transformers
+            h = (h * pair_weights[pairs, None]).to(x.dtype)   # float32 weights, as transformers
             out.index_add_(0, tokens, h)
         return out + gated_mlp(x, self.w.shared_gate_up, self.w.shared_down)

@@ -4,7 +4,6 @@ loader + model equal transformers' ``DeepseekV3ForCausalLM`` (fp32 logits within
 greedy tokens equal, bf16 close); the engine over the paged latent cache gives the same greedy tokens one-shot,
 chunked across block boundaries, on a prefix-cache hit and after preemption; the cache holds one latent row per
 token and layer (576 numbers in V3 itself), not per-head K/V."""
-import dataclasses
 
 import pytest
 import torch

@@ -42,9 +42,12 @@ def v2_config(**overrides: Any) -> dict[str, Any]:
     return kw
 
 
-def write_v3_folder(directory: str | Path, seed: int = 0, version: int = 3, **overrides: Any) -> Path:
+def write_v3_folder(directory: str | Path, seed: int = 0, version: int = 3, mtp: bool = False,
+                    **overrides: Any) -> Path:
     """Write the tiny V3 (``v3_config(**overrides)``; ``version=2``: the tiny V2, ``v2_config``) as
-    ``config.json`` + ``model.safetensors`` + tokenizer."""
+    ``config.json`` + ``model.safetensors`` + tokenizer. ``mtp``: with one random MTP layer (layer 4, MoE) as
+    DeepSeek ships it (transformers has no MTP module: its tensors are added to the file, its embedding and
+    head copies included, and ``num_nextn_predict_layers`` set)."""
     import transformers
 
     directory = Path(directory)
@@ -63,7 +66,34 @@ def write_v3_folder(directory: str | Path, seed: int = 0, version: int = 3, **ov
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.1)
     model.save_pretrained(directory)
+    if mtp:
+        add_mtp_layer(directory, seed)
     tiny_hf_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False,
                                                                  "tokenizer_class": "PreTrainedTokenizerFast"}))
     return directory
+
+
+def add_mtp_layer(directory: Path, seed: int) -> None:
+    """Add one random MTP layer (``deepseek.mtp_weight_shapes``) to the folder's checkpoint and config."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.model.deepseek import mtp_weight_shapes
+    from shared.model.hf_loader import read_hf_config
+
+    raw = json.loads((directory / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    config = read_hf_config(directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, shape in mtp_weight_shapes(config).items():
+        if len(shape) == 1:   # norms near 1 (perturbed), the router bias small
+            base = 0.0 if name.endswith("e_score_correction_bias") else 1.0
+            tensors[name] = base + torch.randn(shape, generator=gen) * (0.1 if base == 0 else 0.2)
+        else:
+            tensors[name] = torch.randn(shape, generator=gen) * 0.12
+    p = f"model.layers.{config.num_layers}."
+    tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()   # DeepSeek's copies
+    tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -24,7 +24,7 @@ from shared.engine.config import EngineConfig
 from services.draft.metrics import DraftMetrics
 from shared.metrics.server import MetricsServer
 from shared.model.llama import LlamaModel
-from shared.model.loader import load_model_files
+from shared.model.loader import build_model, load_model_files
 from shared.spec.factory import make_drafter
 from shared.spec.remote import reply_for, sequences_of
 
@@ -38,7 +38,7 @@ def load_target(config: DraftConfig) -> LlamaModel:
     torch.set_num_threads(engine_cfg.resolve_threads())
     model_config, weights, _ = load_model_files(config.model or None)
     device = engine_cfg.resolve_device()
-    return LlamaModel(model_config, weights, engine_cfg.resolve_dtype(device), device)
+    return build_model(model_config, weights, engine_cfg.resolve_dtype(device), device)
 
 
 class DraftService(Service):
@@ -57,7 +57,7 @@ class DraftService(Service):
         c = self.config
         logger.info("starting %s with %s", c.worker_id, c)
         target = await asyncio.to_thread(load_target, c)
-        self.drafter = await asyncio.to_thread(make_drafter, c.drafter, target, c.window)
+        self.drafter = await asyncio.to_thread(make_drafter, c.drafter, target, c.window, False)
         model_id = target.config.model_id
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password)

@@ -189,10 +189,13 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------------
     def set_speculator(self, speculator) -> None:
-        """Turn speculative decoding on (a ``Speculator``) or off (None); set before stepping starts."""
+        """Turn speculative decoding on (a ``Speculator``) or off (None); set before stepping starts. A drafter
+        that reads the target's hidden states (``observe``: the MTP drafter) has the model keep them."""
         if speculator is not None and speculator.max_model_len is None:
             speculator.max_model_len = self.max_model_len
         self.speculator = speculator
+        if hasattr(self.model, "keep_hidden"):
+            self.model.keep_hidden = speculator is not None and speculator.observes
 
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
@@ -211,6 +214,12 @@ class LLMEngine:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             drafted = len(req.spec_token_ids)
+            if sampled.hidden is not None and self.speculator is not None:
+                start, rows = sampled.hidden[req.request_id]   # the rows of the tokens that stand:
+                valid = s.num_new_tokens                        # rejected drafts' are void
+                if drafted and req.request_id in sampled.tokens:
+                    valid -= drafted - (len(sampled.tokens[req.request_id]) - 1)
+                self.speculator.observe(req.request_id, start, rows[:valid])
             if req.request_id in sampled.tokens:
                 tokens = sampled.tokens[req.request_id]
                 if drafted:  # rejected drafts: their KV is void and their blocks go back

@@ -29,9 +29,11 @@ from shared.model.llama import LlamaModel
 
 class Sampled(NamedTuple):
     """One step's samples: ``tokens[request_id]`` its new tokens; ``logprobs[request_id]`` theirs, for requests
-    with ``Sampling.logprobs``."""
+    with ``Sampling.logprobs``; with a model that keeps its hidden states (``keep_hidden``, for an MTP drafter)
+    ``hidden[request_id] = (first position, [n, hidden] rows)`` of every token the step computed for it."""
     tokens: dict[str, list[int]]
     logprobs: dict[str, Logprobs]
+    hidden: dict[str, tuple[int, torch.Tensor]] | None = None
 
 
 def _decode_like(s) -> bool:
@@ -78,11 +80,13 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list = []
         scored: list[tuple] = []   # (request, first prompt entry, rows): prompt logprobs this step
+        spans: list[tuple[str, int, int, int]] = []   # (request id, first position, first row, rows)
         for s in ordered:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             pos = np.arange(start, start + n, dtype=np.int64)
             positions.append(pos)
             row0 = len(ids)
+            spans.append((req.request_id, start, row0, n))
             tokens = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
             ids.extend(tokens[start:start + n])
             decode = _decode_like(s)
@@ -126,18 +130,19 @@ class ModelRunner:
         for _, _, score_rows in scored:
             logits_rows.extend(score_rows)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled, scored, num_sample_rows
+        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled, scored, num_sample_rows, spans
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         """Run one step; ``Sampled.tokens``: ``{request_id: new tokens}`` for requests that reached a sample point
         (one sampled token, or a speculating request's accepted drafts plus one target token), with their
         ``logprobs`` where asked; prompt logprobs are appended to the requests' ``prompt_logprobs``."""
-        result = Sampled({}, {})
+        keep_hidden = getattr(self.model, "keep_hidden", False)
+        result = Sampled({}, {}, {} if keep_hidden else None)
         if not out.scheduled:
             return result
-        input_ids, positions, meta, rows, sampled, scored, num_sample_rows = self._prepare(out)
+        input_ids, positions, meta, rows, sampled, scored, num_sample_rows, spans = self._prepare(out)
         m = meta[0] if isinstance(meta, list) else meta
-        if (self.graphs is not None and not m.prefills and not scored
+        if (self.graphs is not None and not m.prefills and not scored and not keep_hidden
                 and len(rows) == m.num_decode <= self.graphs.max_batch
                 and m.decode_block_tables.shape[1] <= self.graphs.max_blocks):
             # pure decode (drafts being verified included): every row's logits, in row order
@@ -146,6 +151,9 @@ class ModelRunner:
                                      [g.decode_block_tables for g in metas], m.decode_context_lens)
         else:
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
+        if keep_hidden:
+            hidden = self.model.last_hidden  # [T, hidden]
+            result.hidden.update({rid: (start, hidden[row0:row0 + n]) for rid, start, row0, n in spans})
         row = num_sample_rows
         for req, first, score_rows in scored:    # rows after the sample rows, in order
             targets = req.prompt_token_ids[first + 1:first + 1 + len(score_rows)]

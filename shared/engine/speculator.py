@@ -57,6 +57,12 @@ class Speculator:
         self.drafter, self.config, self.head, self.log = drafter, config or SpecConfig(), head, log
         self.max_model_len = max_model_len
         self.counters = SpecCounters()
+        self.observes = callable(getattr(drafter, "observe", None))  # it reads the target's hidden states (MTP)
+
+    def observe(self, request_id: str, start: int, rows) -> None:
+        """The target's hidden states ``rows: [n, hidden]`` of ``request_id``'s positions ``start ..``, every step
+        (the engine sends them only to a drafter that ``observes``)."""
+        self.drafter.observe(request_id, start, rows)
 
     def wants(self, req: Request) -> bool:
         flag = req.params.speculative

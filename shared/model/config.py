@@ -14,6 +14,8 @@ Invariants (checked in ``__post_init__``):
   numbers) instead of per-head K and V: ``kv_cache_heads`` / ``kv_cache_dim`` say what one K (and one V) slot of
   the paged layout holds, and a latent row fills the K slot with its first half and the V slot with its second
   (``shared/model/mla_attention.py``), so every block mover carries it unchanged.
+- ``nextn_layers`` (``num_nextn_predict_layers``) counts DeepSeek's multi-token-prediction modules stored after the
+  decoder's layers; they feed a drafter (``shared/model/mtp.py``) and never the model's own forward or KV.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class ModelConfig:
     norm_weight_offset: float = 0.0  # every RMSNorm scales by offset + weight (Gemma: 1.0)
     mla: LatentAttention | None = None  # DeepSeek V3 latent attention (then num_kv_heads == num_heads, unused)
     moe: MixtureOfExperts | None = None  # DeepSeekMoE layers
+    nextn_layers: int = 0  # DeepSeek's next-n (MTP) prediction layers after the decoder's: drafters, not the model
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:

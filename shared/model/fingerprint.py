@@ -3,10 +3,12 @@
 ``model_fingerprint(model, tokenizer, block_size)`` is 32 lowercase hex characters (blake2b-128) over:
 
 - the weights' content: every checkpoint tensor as loaded (name, dtype, shape and the crc32 of *all* its
-  bytes, ``weights_digest``, computed by ``LlamaModel`` from the tensors it was given);
-- the architecture: every ``ModelConfig`` field except ``model_id`` (layers, heads, KV heads, head dim, RoPE,
-  norms, sliding windows, vocabulary, and Gemma's knobs: activation, embedding scale, attention scalar, local RoPE
-  base, sandwich norms, norm offset), so the same weights under another name share one fingerprint; fields added
+  bytes, ``weights_digest``, computed by ``LlamaModel`` from the tensors it was given; a DeepSeek model leaves
+  its MTP layers' tensors out);
+- the architecture: every ``ModelConfig`` field except ``model_id`` and ``nextn_layers`` (layers, heads, KV
+  heads, head dim, RoPE, norms, sliding windows, vocabulary, and Gemma's knobs: activation, embedding scale,
+  attention scalar, local RoPE base, sandwich norms, norm offset), so the same weights under another name share
+  one fingerprint (and a DeepSeek checkpoint with its MTP layers the fingerprint of the one without); fields added
   after v1 (``_LATER_FIELDS``) are left out while at their default, so builds that never set them keep the
   fingerprint they had; an MLA model's config (its latent KV layout) differs from every GQA one, so engines of
   the two layouts never take each other's KV;
@@ -50,6 +52,7 @@ _VERSION = b"deepinfer-model-fingerprint-v1"
 _LATER_FIELDS = {"hidden_act": "silu", "embed_scale": None, "query_pre_attn_scalar": None, "rope_local_theta": None,
                  "sandwich_norms": False, "norm_weight_offset": 0.0, "mla": None,
                  "moe": None}  # ModelConfig fields added after v1 + defaults
+_NOT_KV_FIELDS = ("model_id", "nextn_layers")  # a name, and MTP drafter layers (which never touch the model's KV)
 _CHUNK_BYTES = 64 << 20  # crc32 is fed in chunks, so a GPU tensor is copied to the host piece by piece
 
 
@@ -86,8 +89,9 @@ def tokenizer_digest(tokenizer: Any) -> bytes:
 
 
 def config_digest(config: Any) -> bytes:
-    """blake2b-256 of a ``ModelConfig``'s fields except its name (and later fields still at their default)."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_id"}
+    """blake2b-256 of a ``ModelConfig``'s fields except ``_NOT_KV_FIELDS`` (and later fields still at their
+    default)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _NOT_KV_FIELDS}
     fields = {k: v for k, v in fields.items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
     return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=_jsonable).encode(), digest_size=32).digest()
 

@@ -4,6 +4,8 @@ Invariants of ``load_hf_folder``'s result (the same contract as ``gguf_loader.lo
 - every tensor is a contiguous ``torch.float32`` CPU tensor under its HF name, values as stored (Gemma 3 norm
   weights stay zero-centred: the model scales by ``1 + w``);
 - ``gemma3_text`` configs get their Gemma knobs, per-layer windows and both RoPE bases (shared/model/gemma3.py);
+- a DeepSeek checkpoint's MTP layers are read when all their tensors are there (``config.nextn_layers`` as the
+  config says), else left out with ``nextn_layers == 0``: they serve ``--drafter mtp`` only;
 - ``lm_head.weight`` is absent exactly when ``config.tie_word_embeddings`` is true;
 - a sharded checkpoint (``model.safetensors.index.json``) is read from every shard listed in the index;
 - failures are ``DeepinferError``: ``MODEL_NOT_FOUND`` (no folder / no config.json), ``MODEL_CORRUPT``
@@ -11,6 +13,7 @@ Invariants of ``load_hf_folder``'s result (the same contract as ``gguf_loader.lo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -154,7 +157,8 @@ def load_hf_folder(path: str | Path, *, progress: Progress | None = None) -> tup
         shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
         raise _corrupt(folder, "no *.safetensors weights found")
-    wanted = set(expected_weight_names(config))
+    optional = deepseek.mtp_weight_shapes(config) if config.mla is not None else {}  # MTP layers: for drafting
+    wanted = set(expected_weight_names(config)) | set(optional)
     weights: dict[str, torch.Tensor] = {}
     for done, shard in enumerate(shards, start=1):
         shard_path = folder / shard
@@ -167,7 +171,7 @@ def load_hf_folder(path: str | Path, *, progress: Progress | None = None) -> tup
         for name, tensor in loaded.items():
             if name in wanted:
                 weights[name] = tensor.to(torch.float32).contiguous()
-            elif not name.endswith("rotary_emb.inv_freq"):
+            elif not name.endswith(("rotary_emb.inv_freq", *deepseek.MTP_SHARED_COPIES)):
                 log.warning("%s: ignoring unexpected tensor %s", shard_path, name)
         if progress is not None:
             progress(done, len(shards))
@@ -176,7 +180,14 @@ def load_hf_folder(path: str | Path, *, progress: Progress | None = None) -> tup
     missing = [n for n in expected_weight_names(config) if n not in weights]
     if missing:
         raise _corrupt(folder, f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    shapes = deepseek.hf_weight_shapes(config) if config.mla is not None else None
+    absent = [n for n in optional if n not in weights]
+    if absent:   # a checkpoint without (all of) its MTP layers still serves; only ``--drafter mtp`` needs them
+        if len(absent) < len(optional):
+            log.warning("%s: MTP layers incomplete (no %s); not loaded", folder, absent[0])
+        for name in optional:
+            weights.pop(name, None)
+        config = dataclasses.replace(config, nextn_layers=0)
+    shapes = {**deepseek.hf_weight_shapes(config), **optional} if config.mla is not None else None
     for name, tensor in weights.items():
         _check_shape(folder, config, name, tensor, shapes)
     log.info("loaded %s (%s, %d tensors) in %.1fs", folder, config.architecture, len(weights),

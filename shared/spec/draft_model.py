@@ -106,6 +106,7 @@ def _pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 @dataclass(slots=True)
 class _Plan:
     """One sequence of a slice: its state, the tokens the draft sees (``ctx``), how many the state keeps."""
+    seq_id: str
     state: DraftState
     ctx: list[int]
     keep: int
@@ -147,9 +148,10 @@ class DraftModelDrafter:
         k = min(k, max_pos - self.window + 1)
         stride = max(1, min(self.stride, max_pos - self.window - k + 2))  # context + k - 1 drafted <= max_pos
         self.states.reserve(self.window + stride + k - 2)
+        views = [self._view(seq) for seq in sequences]
         proposals = [Proposal() for _ in sequences]
-        for part in self._slices(sequences):
-            for i, proposal in zip(part, self._propose_slice([sequences[i] for i in part], k, stride)):
+        for part in self._slices(views):
+            for i, proposal in zip(part, self._propose_slice([views[i] for i in part], k, stride)):
                 proposals[i] = proposal
         return proposals
 
@@ -160,6 +162,27 @@ class DraftModelDrafter:
     def stats(self) -> dict[str, int]:
         """Counters (``DraftCounters``) plus states evicted for room and states held now."""
         return {**self.counters.as_dict(), "evictions": self.states.evictions, "states": len(self.states)}
+
+    # -- what a drafter of another input (shared/spec/mtp_drafter.py) changes ------------------------------
+    def _view(self, seq: DraftInput) -> DraftInput:
+        """The token sequence the draft runs over (here: the sequence itself); empty = no proposal."""
+        return seq
+
+    def _forward_fed(self, fed: list[_Plan], ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     last: torch.Tensor) -> torch.Tensor:
+        """The forward over each plan's new tokens ``ctx[keep:]`` (``fed`` in batch order; ``ids``, ``positions``:
+        ``[T]``) → logits ``[B, V]`` at ``last``, in slice order."""
+        return self.model.forward(ids, positions, meta, self.states.kv, last)
+
+    def _forward_drafted(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                         rows: torch.Tensor) -> torch.Tensor:
+        """One decode row per sequence (``tokens``: ``[B]``, the previous step's drafts) → logits ``[B, V]``."""
+        return self.model.forward(tokens, positions, meta, self.states.kv, rows)
+
+    def _kept_after_draft(self, ctx: list[int], drafted: list[int]) -> list[int]:
+        """What the state holds after drafting: KV is written for every drafted token but the last, and a
+        drafted token's KV is what the sequence's own would be (a function of the tokens), so it stays."""
+        return ctx + drafted
 
     def _slices(self, sequences: Sequence[DraftInput]) -> list[list[int]]:
         """Indices of the non-empty sequences, in order, in slices of at most ``max_batch`` with no id twice."""
@@ -191,12 +214,12 @@ class DraftModelDrafter:
             state.anchor, state.token_ids = anchor, ctx[:keep]  # valid even if this call's forward raises
             self.counters.rebuilds += keep == 0
             self.counters.fed_tokens += len(ctx) - keep
-            plans.append(_Plan(state, ctx, keep))
+            plans.append(_Plan(seq.seq_id, state, ctx, keep))
         return plans
 
     def _propose_slice(self, seqs: list[DraftInput], k: int, stride: int) -> list[Proposal]:
         """At most ``max_batch`` non-empty sequences with distinct ids → their proposals of exactly ``k`` tokens."""
-        m, st, bs, dev = self.model, self.states, self.block_size, self.model.device
+        st, bs, dev = self.states, self.block_size, self.model.device
         plans = self._plan(seqs, stride)
         self.counters.calls += 1
         self.counters.drafts += len(plans)
@@ -226,9 +249,9 @@ class DraftModelDrafter:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), num_decode=len(decode),
             decode_block_tables=tables[rows].to(dev), decode_context_lens=lens[rows].to(torch.int32).to(dev),
             prefills=chunks, block_size=bs)
-        logits = m.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                           torch.tensor(positions, dtype=torch.long, device=dev), meta, st.kv,
-                           torch.tensor(last, dtype=torch.long, device=dev))  # [B, V] in slice order
+        logits = self._forward_fed([plans[i] for i in order], torch.tensor(ids, dtype=torch.long, device=dev),
+                                   torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                                   torch.tensor(last, dtype=torch.long, device=dev))  # [B, V] in slice order
         steps = [_pick(logits)]
         # decode: the token drafted at step j-1 sits at position c + j - 1
         tables, rows = tables.to(dev), torch.arange(len(plans), device=dev)  # [B, nb], [B]
@@ -238,13 +261,12 @@ class DraftModelDrafter:
             meta = AttentionMetadata(
                 slot_mapping=slot0 + pos, num_decode=len(plans), decode_block_tables=tables,
                 decode_context_lens=(pos + 1).to(torch.int32), prefills=[], block_size=bs)
-            logits = m.forward(steps[-1][0], pos, meta, st.kv, rows)  # [B, V]
-            steps.append(_pick(logits))
+            steps.append(_pick(self._forward_drafted(steps[-1][0], pos, meta, rows)))  # logits [B, V]
         tokens = torch.stack([s[0] for s in steps], 1).tolist()  # [B, k]
         top1 = torch.stack([s[1] for s in steps], 1).tolist()  # [B, k]
         entropy = torch.stack([s[2] for s in steps], 1).tolist()  # [B, k]
         for p, drafted in zip(plans, tokens):
-            p.state.token_ids = p.ctx + drafted[:k - 1]  # KV written for every drafted token but the last
+            p.state.token_ids = self._kept_after_draft(p.ctx, drafted[:k - 1])
         return [Proposal(tok, [TokenFeatures(top1_prob=q, entropy=h, ngram_len=0, position=i)
                                for i, (q, h) in enumerate(zip(ps, hs))])
                 for tok, ps, hs in zip(tokens, top1, entropy)]

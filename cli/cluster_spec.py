@@ -43,7 +43,7 @@ class ClusterSpec:
     cache_tier_reserve_dram: bool = False  # fault the DRAM budget in at start (``deepinfer up``/``node`` do)
     cache_tier_ssd_mb: int = 16384
     draft: str = ""  # speculative decoding: "" off, "local" (in the decode workers), or "<N>" draft services
-    drafter: str = DEFAULT_DRAFTER  # prompt_lookup | self:<layers> | a smaller model's path
+    drafter: str = DEFAULT_DRAFTER  # prompt_lookup | self:<layers> | mtp (with draft local) | a smaller model's path
     http_host: str = "127.0.0.1"  # the router's OpenAI-compatible HTTP API
     api_keys: str = ""  # the router's API keys (``RouterConfig.api_keys``), passed in its environment only
     http_port: int = 0  # 0 = a free port (``Cluster.http_url`` says which), -1 = no HTTP
@@ -81,6 +81,9 @@ class ClusterSpec:
                              "count a switched worker under the role it started in")
         if self.tenants and not self.auth:
             raise ValueError("tenants need auth=True (a tenant is a NATS user)")
+        if self.drafter == "mtp" and self.draft not in ("", "local"):
+            raise ValueError("--drafter mtp reads the target's hidden states: it drafts inside the decode workers "
+                             "(--draft local), not in draft services")
         for tenant in self.tenants:
             nats_auth.tenant_user(tenant)  # ValueError for a name that cannot be a user
         if self.cache_tier and not self.cache_tier_dir:

@@ -102,7 +102,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-services", type=int, default=1, metavar="N",
                         help="with --draft remote: draft services to start here (default 1)")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                        help="prompt_lookup | self:<layers> (the model's first layers) | a smaller model's path")
+                        help="prompt_lookup | self:<layers> (the model's first layers) | mtp (a DeepSeek V3 "
+                             "checkpoint's own next-n layer; --draft local) | a smaller model's path")
     parser.add_argument("--http-host", default="127.0.0.1",
                         help="the router's OpenAI-compatible API address (0.0.0.0: reachable from other hosts)")
     parser.add_argument("--http-port", type=int, default=8000, help="its port (0 = any free port, -1 = no HTTP)")

@@ -64,6 +64,7 @@ class LoadReport(WireModel):
     kv_event_seq: int = 0           # seq of the last KV event published (lets the router spot a gap)
     draining: bool = False          # shutting down: finishes what it holds, takes nothing new
     tier_block_s: float = 0.0       # measured seconds per block pulled from the cache tier (0 = none yet)
+    block_bytes: int = 0            # bytes of one KV block as it travels (MLA latents: a fraction of GQA's; 0 = n/a)
     model_fingerprint: str = ""
     instance: str = ""              # random per process start: a restart under the same worker id is another one
     max_model_len: int = 0          # the engine's context window in tokens (0 = no model / not reported)
@@ -79,7 +80,7 @@ class LoadReport(WireModel):
         check_range("max_num_seqs", self.max_num_seqs, 0)
         check_fingerprint("model_fingerprint", self.model_fingerprint)
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size",
-                     "queued_prefill_tokens", "kv_event_seq"):
+                     "queued_prefill_tokens", "kv_event_seq", "block_bytes"):
             check_range(name, getattr(self, name), 0)
         check_range("kv_usage", self.kv_usage, 0.0, 1.0)
         check_range("tier_block_s", self.tier_block_s, 0.0, 60.0)

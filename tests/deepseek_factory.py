@@ -97,3 +97,88 @@ def add_mtp_layer(directory: Path, seed: int) -> None:
     tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()   # DeepSeek's copies
     tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_v3_gguf(folder: Path, path: Path, split_kv_b: bool = True) -> Path:
+    """Convert a tiny V3 / V2 HF folder to a ``deepseek2`` F32 GGUF the way llama.cpp's converter does (tensor names
+    from the ``gguf`` package's own map; routed experts stacked; ``kv_b_proj`` split into ``attn_k_b``
+    (transposed) and ``attn_v_b`` when ``split_kv_b``, else kept as ``attn_kv_b``; MLA key/value lengths; YaRN's
+    ``mscale_all_dim`` as ``yarn_log_multiplier`` = 0.1 x it), with the tests' tokenizer."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from shared.model.hf_loader import read_hf_config
+    from tests.model_factory import CHATML_TEMPLATE, gguf_decoder_writer, tiny_vocab
+
+    config = read_hf_config(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    mla, moe = config.mla, config.moe
+    tensors = load_file(str(folder / "model.safetensors"))
+    writer = gguf_decoder_writer(path, "deepseek2", config)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_dimension_count(mla.qk_rope_head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    if mla.q_lora_rank:
+        writer.add_q_lora_rank(mla.q_lora_rank)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    writer.add_key_length(mla.kv_lora_rank + mla.qk_rope_head_dim)
+    writer.add_value_length(mla.kv_lora_rank)
+    writer.add_key_length_mla(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    writer.add_value_length_mla(mla.v_head_dim)
+    writer.add_leading_dense_block_count(moe.first_k_dense_replace)
+    writer.add_expert_feed_forward_length(moe.moe_intermediate_size)
+    writer.add_expert_count(moe.n_routed_experts)
+    writer.add_expert_used_count(moe.num_experts_per_tok)
+    writer.add_expert_shared_count(moe.n_shared_experts)
+    writer.add_expert_weights_scale(moe.routed_scaling_factor)
+    writer.add_expert_weights_norm(moe.norm_topk_prob)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if moe.scoring == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(moe.n_group)
+    writer.add_expert_group_used_count(moe.topk_group)
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    writer.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
+    tokens, types, merges = tiny_vocab(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_layers)
+    heads, nope, v, rank = config.num_heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+    out: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        t = t.float()
+        if ".mlp.experts." in name:   # stacked per projection below
+            continue
+        if name.endswith("kv_b_proj.weight") and split_kv_b:
+            kv_b = t.view(heads, nope + v, rank)
+            out[names.get_name(name.replace("kv_b_proj", "k_b_proj"), try_suffixes=(".weight",))] = \
+                kv_b[:, :nope].transpose(1, 2).numpy()
+            out[names.get_name(name.replace("kv_b_proj", "v_b_proj"), try_suffixes=(".weight",))] = \
+                kv_b[:, nope:].numpy()
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")   # as llama.cpp renames it
+        out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t.numpy()
+    for i in range(moe.first_k_dense_replace, config.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked = torch.stack([tensors[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"].float()
+                                   for e in range(moe.n_routed_experts)])
+            out[names.get_name(f"model.layers.{i}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))] = \
+                stacked.numpy()
+    for name, array in out.items():
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

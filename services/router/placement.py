@@ -73,12 +73,17 @@ class Placer:
 
 
     def tier_cost(self, workers: list[WorkerState]) -> CostModel:
-        """The cost model with the cache-tier pull cost the workers measured (their mean seconds per block),
-        or the profile's when none has pulled yet."""
+        """The cost model with the cache-tier pull cost the workers measured (their mean seconds per block);
+        when none has pulled yet, the profile's scaled by the bytes of the workers' blocks against the
+        profile's (an MLA model's latent blocks are priced at their size, not at the profile model's)."""
         measured = [s.report.tier_block_s for s in workers if s.report.tier_block_s > 0]
-        if not measured:
+        if measured:
+            return dataclasses.replace(self.cost, block_transfer_s=sum(measured) / len(measured))
+        sizes = [s.report.block_bytes for s in workers if s.report.block_bytes > 0]
+        if not sizes or self.cost.block_bytes <= 0:
             return self.cost
-        return dataclasses.replace(self.cost, block_transfer_s=sum(measured) / len(measured))
+        scale = sum(sizes) / len(sizes) / self.cost.block_bytes
+        return dataclasses.replace(self.cost, block_transfer_s=self.cost.block_transfer_s * scale)
 
 
 def _avoid(states: list[WorkerState], exclude: Collection[str]) -> list[WorkerState]:

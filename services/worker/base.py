@@ -108,6 +108,7 @@ class Worker(TierMixin, Service):
         self.kv_events.start()
         self.runtime.start_heartbeat(lambda: {**self.aengine.load(), "kv_event_seq": self.kv_events.seq,
                                               "switchable": self.config.switchable,
+                                              "block_bytes": engine.kv_port.block_bytes,
                                               "tier_block_s": self.tier.counters.block_pull_s if self.tier else 0.0})
         if c.metrics_port:
             await self.metrics_server.start(c.metrics_port)

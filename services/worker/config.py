@@ -31,7 +31,7 @@ class WorkerConfig(ServiceConfig):
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
     draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
-    drafter: str = DEFAULT_DRAFTER  # with draft=local: prompt_lookup | self:<layers> | a smaller model's path
+    drafter: str = DEFAULT_DRAFTER  # with draft=local: prompt_lookup | self:<layers> | mtp | a smaller model's path
     spec_k: int = 5  # tokens drafted per sequence and step
     spec_max_batch: int = 8  # speculate only while at most this many sequences run
     spec_default: bool = True  # requests that do not say (``speculative`` unset) speculate

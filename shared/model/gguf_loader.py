@@ -125,7 +125,7 @@ def load_gguf(path: str | Path, *, progress: Progress | None = None,
     weights: dict[str, torch.Tensor] = {}
     total = len(expected)
     for done, (gguf_name, (hf_name, shape)) in enumerate(expected.items(), start=1):
-        array = _dequantize(path, tensors[gguf_name], shape)
+        array = read_tensor(path, tensors[gguf_name], shape)
         if config.architecture == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             array = unpermute_qk(array, config.num_heads)
         elif config.architecture == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -154,7 +154,7 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(path: str | Path, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
+def read_tensor(path: str | Path, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor as float32 in numpy order; checks the stored bytes are all present and the shape is right."""
     numpy_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if numpy_shape != shape:
@@ -240,9 +240,9 @@ def _read_config(path: str | Path, reader: GGUFReader, tensors: dict[str, Any]) 
             vocab_size=int(embd.shape[-1]), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
             num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
             head_dim=head_dim,
-            rms_norm_eps=_f32(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(reader, arch, tensors),
+            rms_norm_eps=f32_metadata(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=f32_metadata(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling_metadata(reader, arch, tensors),
             max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
@@ -267,7 +267,7 @@ def token_id(reader: GGUFReader, text: str) -> int | None:
     return None
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+def rope_scaling_metadata(reader: GGUFReader, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """HF-style ``rope_scaling`` from ``{arch}.rope.scaling.*``; llama3-style scaling is detected from a
     ``rope_freqs.weight`` tensor (llama.cpp stores the per-frequency divisors, not the parameters), whose
     values are returned under ``freq_factors`` (inv_freq[i] / freq_factors[i] is the scaled frequency)."""
@@ -290,11 +290,11 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict[str, Any]) -> dic
     for key, hf_key in renames.items():
         value = get(key)
         if value is not None:
-            out[hf_key] = int(value) if hf_key == "original_max_position_embeddings" else _f32(value)
+            out[hf_key] = int(value) if hf_key == "original_max_position_embeddings" else f32_metadata(value)
     return out
 
 
-def _f32(value: Any) -> float:
+def f32_metadata(value: Any) -> float:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
 

@@ -1,7 +1,8 @@
 """One entry point for loading a model from disk, whatever its format.
 
 ``load_model_files(path)`` returns ``(ModelConfig, weights, Tokenizer)``:
-- a ``*.gguf`` file -> ``gguf_loader.load_gguf`` + ``Tokenizer.from_gguf`` (the header is parsed once);
+- a ``*.gguf`` file -> ``gguf_loader.load_gguf`` (``gguf_deepseek.load`` for llama.cpp's ``deepseek2``) +
+  ``Tokenizer.from_gguf`` (the header is parsed once);
 - a directory -> ``hf_loader.load_hf_folder`` + ``Tokenizer.from_file(dir/tokenizer.json)``;
 - ``None`` -> ``locate.default_model_path()`` ($DEEPINFER_MODEL, else the bundled SmolLM2 GGUF);
 - a packaged model name (``gemma3-270m``, ``smollm2-135m``) -> its GGUF, via ``locate.resolve_model``.
@@ -19,7 +20,8 @@ import torch
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.deepseek import DeepseekV3Model
-from shared.model.gguf_loader import load_gguf, open_gguf
+from shared.model import gguf_deepseek
+from shared.model.gguf_loader import load_gguf, metadata, open_gguf
 from shared.model.hf_loader import load_hf_folder
 from shared.model.llama import LlamaModel
 from shared.model.locate import resolve_model
@@ -49,7 +51,10 @@ def load_model_files(path: str | Path | None = None, progress: Callable[[int, in
             tokenizer.bos_token_id = config.bos_token_id
     elif path.suffix.lower() == ".gguf":
         reader = open_gguf(path)
-        config, weights = load_gguf(path, progress=progress, reader=reader)
+        if metadata(reader, "general.architecture") == gguf_deepseek.ARCH:
+            config, weights = gguf_deepseek.load(path, reader, progress)
+        else:
+            config, weights = load_gguf(path, progress=progress, reader=reader)
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         raise DeepinferError(ErrorCode.MODEL_CORRUPT,

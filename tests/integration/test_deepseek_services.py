@@ -89,6 +89,31 @@ async def test_a_v3_stream_moves_mid_decode_and_stays_exact(nats_server, folder)
     assert [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1
 
 
+async def test_mtp_drafting_decode_workers_stay_exact_across_hand_off_and_migration(nats_server, tmp_path):
+    """Decode workers drafting with the checkpoint's MTP layer (``--draft local --drafter mtp``): a stream
+    prefilled remotely (its decode worker has no hidden states for the prompt) and then live-migrated (the
+    receiver has none either) equals the single-process engine's greedy tokens, and both workers drafted."""
+    folder = write_v3_folder(tmp_path / "mtp", seed=2, mtp=True)
+    prompt = prompts()[1]
+    expected = reference_outputs(folder, [prompt], 200)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
+                                draft="local", drafter="mtp", spec_k=3,
+                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:
+        nc = await connect(nats_server.url)
+        try:
+            started = asyncio.Event()
+            task = asyncio.create_task(collect(nc, request(prompt, "m", "remote", 200), started))
+            await asyncio.wait_for(started.wait(), 30)
+            await ask_router(nc, cluster, "m")
+            chunks = await task
+        finally:
+            await nc.close()
+        decoders = [w for w in cluster.workers if w.config.role == "decode"]
+        drafted = [w.engine.speculator.counters.proposals for w in decoders]
+    assert [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1
+    assert all(n > 0 for n in drafted), drafted
+
+
 async def test_a_gqa_worker_beside_mla_workers_never_takes_their_kv(nats_server, folder, tmp_path):
     """A Llama-shaped (GQA) prefill worker joins the V3 cluster's NATS: the router places V3 requests only on
     the V3 build's workers (one fingerprint per placement), so no latent block ever reaches the GQA worker and

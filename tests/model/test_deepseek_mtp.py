@@ -103,6 +103,7 @@ def test_incremental_proposals_equal_the_module_run_one_shot(loaded):
     (a state that kept the chained rows' KV, or mis-aligned rows, would not)."""
     model = target(loaded)
     drafter = MtpDrafter(model, window=256, block_size=16)
+    assert drafter.model.block.embed is model.embed and drafter.model.block.lm_head is model.lm_head  # shared
     ids = prompt(37)
     h = hidden_states(model, ids)
     drafter.observe("s", 0, h[:len(ids) - 1])

@@ -193,3 +193,11 @@ def test_swa_kv_context_reaches_each_worker_and_its_engine(monkeypatch, tmp_path
     assert load_config(WorkerConfig, spawned[0][spawned[0].index("--swa-kv-context"):][:2]).swa_kv_context == 8192
     with pytest.raises(ValueError, match="swa_kv_context"):
         WorkerConfig(swa_kv_context=-1)
+
+
+def test_the_mtp_drafter_is_refused_for_draft_services():
+    from cli.cluster_spec import ClusterSpec
+
+    with pytest.raises(ValueError, match="inside the decode workers"):
+        ClusterSpec(model="m", draft="2", drafter="mtp")
+    assert ClusterSpec(model="m", draft="local", drafter="mtp").drafter == "mtp"

@@ -211,3 +211,21 @@ async def test_a_cancel_reaches_only_requests_of_its_namespace():
     assert not tasks["cmpl-http"].cancelled()
     tasks["beta-req"].cancel()
     tasks["cmpl-http"].cancel()
+
+
+def test_before_any_pull_the_tier_cost_scales_with_the_workers_block_bytes():
+    """An MLA model's latent blocks (a fraction of the profile model's bytes) are priced at their size until the
+    workers measured a pull; a model of the profile's block size keeps the profile's figure."""
+    from services.router.placement import Placer
+    from services.router.policy.kv_index import KVIndex
+    from services.router.policy.types import CostModel
+
+    table = WorkerTable(3.0)
+    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3, block_bytes=40_000), 0, None)
+    table.update(report("d1", "decode", block_bytes=10_000))
+    table.update(report("d2", "decode", block_bytes=40_000))
+    d1, d2 = (table.workers[w] for w in ("d1", "d2"))
+    assert placer.tier_cost([d1]).block_transfer_s == pytest.approx(2.5e-4)
+    assert placer.tier_cost([d2]).block_transfer_s == pytest.approx(1e-3)
+    table.update(report("d1", "decode", block_bytes=10_000, tier_block_s=5e-5))
+    assert placer.tier_cost([table.workers["d1"]]).block_transfer_s == pytest.approx(5e-5)   # measured wins

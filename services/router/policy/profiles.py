@@ -70,7 +70,8 @@ class Profile:
     def cost_model(self, block_size: int, typical_batch: int = 16, typical_kv_tokens: int = 16 * 16384) -> CostModel:
         return CostModel(prefill_a=self.prefill_a, prefill_b=self.prefill_b, prefill_c=self.prefill_c,
                          block_transfer_s=self.block_transfer_s(block_size),
-                         decode_step_s=self.decode_step_s(typical_batch, typical_kv_tokens))
+                         decode_step_s=self.decode_step_s(typical_batch, typical_kv_tokens),
+                         block_bytes=self.block_bytes(block_size))
 
 
 def fit_nonnegative(columns: Sequence[np.ndarray], seconds: np.ndarray) -> list[float]:

@@ -43,13 +43,15 @@ class WorkerView:
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Step-time model. Prefill of ``T`` uncached tokens: ``a*T^2 + b*T + c`` seconds; pulling one block
-    from another tier / the cache tier: ``block_transfer_s``; one decode step: ``decode_step_s``."""
+    from another tier / the cache tier: ``block_transfer_s`` (for blocks of ``block_bytes``, 0 = unknown);
+    one decode step: ``decode_step_s``."""
 
     prefill_a: float = 0.0
     prefill_b: float = 1e-4
     prefill_c: float = 0.0
     block_transfer_s: float = 1e-4
     decode_step_s: float = 0.02
+    block_bytes: int = 0
 
     def prefill_s(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.prefill_a * tokens * tokens + self.prefill_b * tokens + self.prefill_c

@@ -109,7 +109,7 @@ def write_v3_gguf(folder: Path, path: Path, split_kv_b: bool = True) -> Path:
     from safetensors.torch import load_file
 
     from shared.model.hf_loader import read_hf_config
-    from tests.model_factory import CHATML_TEMPLATE, gguf_decoder_writer, tiny_vocab
+    from tests.model_factory import add_tiny_tokenizer, gguf_decoder_writer
 
     config = read_hf_config(folder)
     raw = json.loads((folder / "config.json").read_text())
@@ -143,16 +143,7 @@ def write_v3_gguf(folder: Path, path: Path, split_kv_b: bool = True) -> Path:
     writer.add_rope_scaling_factor(float(scaling["factor"]))
     writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     writer.add_rope_scaling_yarn_log_mul(0.1 * float(scaling["mscale_all_dim"]))
-    tokens, types, merges = tiny_vocab(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(writer, config.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_layers)
     heads, nope, v, rank = config.num_heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
     out: dict[str, np.ndarray] = {}

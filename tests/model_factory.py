@@ -150,6 +150,20 @@ def gguf_decoder_writer(path, arch: str, config) -> gguf.GGUFWriter:
     return writer
 
 
+def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab: int, pre: str = "gpt2") -> None:
+    """The tiny tokenizer padded to ``vocab`` as GGUF ``tokenizer.ggml.*`` metadata (BPE, ChatML template)."""
+    tokens, types, merges = tiny_vocab(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
 def write_tiny_gguf(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, pre: str = "gpt2",
                     gguf_arch: str | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
                     **kwargs: Any) -> Path:
@@ -179,16 +193,7 @@ def write_tiny_gguf(path: str | Path, *, seed: int = 0, dtype: torch.dtype = tor
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         if "original_max_position_embeddings" in scaling:
             writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
-    tokens, types, merges = tiny_vocab(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(writer, config.vocab_size, pre)
     for name, tensor in _gguf_tensors(config, weights, permute=arch == "llama"):
         writer.add_tensor(name, tensor)
     for name, tensor in (extra_tensors or {}).items():

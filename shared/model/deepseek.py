@@ -93,7 +93,8 @@ def is_moe_layer(config: ModelConfig, index: int) -> bool:
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a ``deepseek_v3`` checkpoint must have, HF-named, with its shape (MTP layers: ``mtp_weight_shapes``)."""
+    """Every tensor a ``deepseek_v3`` checkpoint must have, HF-named, with its shape (MTP layers:
+    ``mtp_weight_shapes``)."""
     d = config.hidden_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
@@ -163,14 +164,18 @@ class DeepseekV3Model:
         self.nextn_weights = {name: t for name, t in weights.items() if name in nextn}
         self.weights_digest = weights_digest({n: t for n, t in weights.items() if n not in nextn})
         self.keep_hidden, self.last_hidden = False, None
-        self._weights = weights
-        self.embed = self._take("model.embed_tokens.weight")  # [V, hidden]
+
+        def take(name: str, wide: bool = False) -> torch.Tensor:
+            if name not in weights:
+                raise DeepinferError(ErrorCode.MODEL_CORRUPT, f"checkpoint lacks tensor {name!r}")
+            return weights[name].to(device=device, dtype=torch.float32 if wide else dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = lm_head if lm_head is not None else \
-            prepare_weight(self.embed if config.tie_word_embeddings else self._take("lm_head.weight"))
-        self.final_norm = self._take("model.norm.weight")
-        self.layers = [self.build_layer(f"model.layers.{i}.", is_moe_layer(config, i))
+            prepare_weight(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
+        self.final_norm = take("model.norm.weight")
+        self.layers = [self._build_layer(take, f"model.layers.{i}.", is_moe_layer(config, i))
                        for i in range(config.num_layers)]
-        del self._weights
         mla = config.mla
         self.cos, self.sin = build_rope_cache(config, dtype, device, dim=mla.qk_rope_head_dim)  # [P, rope] each
         self.scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
@@ -178,14 +183,9 @@ class DeepseekV3Model:
         if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
             self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
 
-    def _take(self, name: str, wide: bool = False) -> torch.Tensor:
-        if name not in self._weights:
-            raise DeepinferError(ErrorCode.MODEL_CORRUPT, f"checkpoint lacks tensor {name!r}")
-        return self._weights[name].to(device=self.device, dtype=torch.float32 if wide else self.dtype).contiguous()
-
-    def build_layer(self, p: str, moe_layer: bool) -> MLALayer:
-        """The decoder layer stored under prefix ``p`` (``model.layers.<i>.``) of the weights being loaded."""
-        take, config, mla, moe = self._take, self.config, self.config.mla, self.config.moe
+    def _build_layer(self, take, p: str, moe_layer: bool) -> MLALayer:
+        """The decoder layer stored under prefix ``p`` (``model.layers.<i>.``); ``take(name, wide)`` reads a tensor."""
+        config, mla, moe = self.config, self.config.mla, self.config.moe
         heads, nope, rope_dim, rank = config.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
         q_rows = torch.arange(heads * (nope + rope_dim)).view(heads, nope + rope_dim)
         kv_rows = torch.arange(rank + rope_dim)

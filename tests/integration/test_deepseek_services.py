@@ -71,20 +71,28 @@ async def test_latent_kv_hand_off_and_tier_hits_are_exact(nats_server, folder, t
         sum(v for (layer, _), v in routed.items() if layer == "3") > 0
 
 
+MIGRATING = dict(prefill=1, decode=2, transports="shm,stream",   # a router that moves a stream at once
+                 router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0})
+
+
+async def migrated_stream(url: str, cluster, prompt: list[int], tokens: int):
+    """Stream ``prompt`` (prefilled remotely), ask the router to migrate it once it started: ``(ack, chunks)``."""
+    nc = await connect(url)
+    try:
+        started = asyncio.Event()
+        task = asyncio.create_task(collect(nc, request(prompt, "m", "remote", tokens), started))
+        await asyncio.wait_for(started.wait(), 30)
+        ack = await ask_router(nc, cluster, "m")
+        return ack, await task
+    finally:
+        await nc.close()
+
+
 async def test_a_v3_stream_moves_mid_decode_and_stays_exact(nats_server, folder):
     prompt = prompts()[1]
     expected = reference_outputs(folder, [prompt], 300)[0]
-    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
-                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:
-        nc = await connect(nats_server.url)
-        try:
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "m", "remote", 300), started))
-            await asyncio.wait_for(started.wait(), 30)
-            ack = await ask_router(nc, cluster, "m")
-            chunks = await task
-        finally:
-            await nc.close()
+    async with InProcessCluster(nats_server.url, folder, **MIGRATING) as cluster:
+        ack, chunks = await migrated_stream(nats_server.url, cluster, prompt, 300)
     assert ack.detail.startswith("decode-")
     assert [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1
 
@@ -96,18 +104,9 @@ async def test_mtp_drafting_decode_workers_stay_exact_across_hand_off_and_migrat
     folder = write_v3_folder(tmp_path / "mtp", seed=2, mtp=True)
     prompt = prompts()[1]
     expected = reference_outputs(folder, [prompt], 200)[0]
-    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
-                                draft="local", drafter="mtp", spec_k=3,
-                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:
-        nc = await connect(nats_server.url)
-        try:
-            started = asyncio.Event()
-            task = asyncio.create_task(collect(nc, request(prompt, "m", "remote", 200), started))
-            await asyncio.wait_for(started.wait(), 30)
-            await ask_router(nc, cluster, "m")
-            chunks = await task
-        finally:
-            await nc.close()
+    async with InProcessCluster(nats_server.url, folder, draft="local", drafter="mtp", spec_k=3,
+                                **MIGRATING) as cluster:
+        _, chunks = await migrated_stream(nats_server.url, cluster, prompt, 200)
         decoders = [w for w in cluster.workers if w.config.role == "decode"]
         drafted = [w.engine.speculator.counters.proposals for w in decoders]
     assert [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1

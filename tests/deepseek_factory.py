@@ -173,3 +173,54 @@ def write_v3_gguf(folder: Path, path: Path, split_kv_b: bool = True) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def v4_config(**overrides: Any) -> dict[str, Any]:
+    """The ``DeepseekV4Config`` keyword arguments of a tiny V4: one layer of each attention type and a second CSA
+    (window 8, CSA groups of 4 with the indexer keeping 3, HCA groups of 16), one hash-routed MoE layer then
+    top-k ones (8 experts, 2 per token), 2 residual streams, grouped output projection in 2 groups."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+              layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                           "compressed_sparse_attention"],
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+              mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+              index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=2, partial_rotary_factor=0.25,
+              max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, swiglu_limit=3.0)
+    kw.update(overrides)
+    return kw
+
+
+def write_v4_folder(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny V4 (``v4_config(**overrides)``) made by transformers' ``DeepseekV4ForCausalLM``, its zero-
+    initialised parts (sinks, group position biases, hyper-connection biases, the hash table) made random so every
+    one matters, as ``config.json`` + ``model.safetensors`` + tokenizer."""
+    import transformers
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**v4_config(**overrides))
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(("sinks", "position_bias")):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif name.endswith(("base", "hc_base")):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("scale", "hc_scale")):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() >= 2:
+                p.mul_(4.0)     # init std 0.02 -> 0.08: scores and routing that differ visibly
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+            elif name.endswith("tid2eid"):   # each token's experts: distinct, random
+                buf.copy_(torch.stack([torch.randperm(config.n_routed_experts)[:config.num_experts_per_tok]
+                                       for _ in range(buf.shape[0])]))
+    model.save_pretrained(directory)
+    tiny_hf_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False,
+                                                                 "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory

@@ -39,6 +39,9 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer=None) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         mc = model.config
+        if mc.v4 is not None:
+            raise invalid("DeepSeek V4 loads and computes (shared/model/deepseek_v4.py), but this engine has no "
+                          "paged pools for its window rows and compressed entries yet: it cannot serve it")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_manager: KVManager = build_kv_manager(model, config, self.max_model_len)  # 1 pool or KV groups
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)

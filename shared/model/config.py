@@ -62,6 +62,45 @@ class MixtureOfExperts:
     topk_method: str = "noaux_tc"  # V3's; V2: greedy | group_limited_greedy
 
 
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedAttention:
+    """DeepSeek V4: every layer attends to a ``sliding_window`` of shared-KV MQA rows (one ``head_dim`` row per
+    token, used as key and value) plus, by ``layer_types``, compressed entries: one per ``csa_ratio`` tokens picked
+    per query by a lightning indexer's top ``index_topk`` (CSA), or one per ``hca_ratio`` tokens, all (HCA).
+    Queries through ``q_lora_rank``; RoPE on the trailing ``rope_dim`` dims of each head (interleaved pairs), base
+    ``rope_theta`` on sliding layers and ``compress_rope_theta`` (+ ``compress_rope_scaling``) on compressed ones;
+    per-head attention sinks; grouped output projection (``o_groups`` x ``o_lora_rank``); ``hc_mult`` residual
+    streams mixed by manifold-constrained hyper-connections; MoE in every layer (``mlp_layer_types``: ``hash_moe``
+    routes by a frozen token→experts table, ``moe`` by top-k of ``scoring_func`` scores plus a bias), experts'
+    SwiGLU inputs clipped at ``swiglu_limit`` (``shared/model/deepseek_v4.py``)."""
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    q_lora_rank: int
+    rope_dim: int
+    sliding_window: int
+    csa_ratio: int
+    hca_ratio: int
+    compress_rope_theta: float
+    compress_rope_scaling: dict[str, Any] | None
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    routed_scaling_factor: float
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
@@ -91,6 +130,7 @@ class ModelConfig:
     mla: LatentAttention | None = None  # DeepSeek V3 latent attention (then num_kv_heads == num_heads, unused)
     moe: MixtureOfExperts | None = None  # DeepSeekMoE layers
     nextn_layers: int = 0  # DeepSeek's next-n (MTP) prediction layers after the decoder's: drafters, not the model
+    v4: CompressedAttention | None = None  # DeepSeek V4's hybrid sliding-window + compressed attention
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:

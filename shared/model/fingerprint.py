@@ -51,7 +51,7 @@ KV_LAYOUT = "kv-block-v1:[num_layers,2,kv_heads,block_size,head_dim]"  # shared/
 _VERSION = b"deepinfer-model-fingerprint-v1"
 _LATER_FIELDS = {"hidden_act": "silu", "embed_scale": None, "query_pre_attn_scalar": None, "rope_local_theta": None,
                  "sandwich_norms": False, "norm_weight_offset": 0.0, "mla": None,
-                 "moe": None}  # ModelConfig fields added after v1 + defaults
+                 "moe": None, "v4": None}  # ModelConfig fields added after v1 + defaults
 _NOT_KV_FIELDS = ("model_id", "nextn_layers")  # a name, and MTP drafter layers (which never touch the model's KV)
 _CHUNK_BYTES = 64 << 20  # crc32 is fed in chunks, so a GPU tensor is copied to the host piece by piece
 

@@ -24,12 +24,13 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import DeepinferError, ErrorCode
-from shared.model import deepseek, gemma3
+from shared.model import deepseek, deepseek_v4, gemma3
 from shared.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *deepseek.HF_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *deepseek.HF_MODEL_TYPES,
+                         *deepseek_v4.HF_MODEL_TYPES)
 Progress = Callable[[int, int], None]
 
 
@@ -59,6 +60,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         raise _corrupt(path, f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if model_type == "gemma3_text":  # transformers omits fields left at Gemma3TextConfig's defaults
         raw = {**gemma3.HF_DEFAULTS, **raw}
+    if model_type in deepseek_v4.HF_MODEL_TYPES:  # V4's only FFN width is its experts'
+        raw = {"intermediate_size": raw.get("moe_intermediate_size"), **raw}
     try:
         hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
         rope_params = raw.get("rope_parameters") or {}
@@ -70,7 +73,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
                 if int(token) not in eos:
                     eos.append(int(token))
         extra = gemma3.hf_knobs(raw) if model_type == "gemma3_text" else \
-            deepseek.hf_knobs(raw) if model_type in deepseek.HF_MODEL_TYPES else {}
+            deepseek.hf_knobs(raw) if model_type in deepseek.HF_MODEL_TYPES else \
+            deepseek_v4.hf_knobs(raw) if model_type in deepseek_v4.HF_MODEL_TYPES else {}
         return ModelConfig(**{**dict(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
             num_layers=layers, num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -123,6 +127,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     """Every tensor name the model needs, in HF convention."""
     if config.mla is not None:
         return list(deepseek.hf_weight_shapes(config))
+    if config.v4 is not None:
+        return list(deepseek_v4.hf_weight_shapes(config))
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -187,7 +193,8 @@ def load_hf_folder(path: str | Path, *, progress: Progress | None = None) -> tup
         for name in optional:
             weights.pop(name, None)
         config = dataclasses.replace(config, nextn_layers=0)
-    shapes = {**deepseek.hf_weight_shapes(config), **optional} if config.mla is not None else None
+    shapes = {**deepseek.hf_weight_shapes(config), **optional} if config.mla is not None else \
+        deepseek_v4.hf_weight_shapes(config) if config.v4 is not None else None
     for name, tensor in weights.items():
         _check_shape(folder, config, name, tensor, shapes)
     log.info("loaded %s (%s, %d tensors) in %.1fs", folder, config.architecture, len(weights),

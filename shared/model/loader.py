@@ -20,6 +20,7 @@ import torch
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
 from shared.model.deepseek import DeepseekV3Model
+from shared.model.deepseek_v4 import DeepseekV4Model
 from shared.model import gguf_deepseek
 from shared.model.gguf_loader import load_gguf, metadata, open_gguf
 from shared.model.hf_loader import load_hf_folder
@@ -31,9 +32,12 @@ log = logging.getLogger(__name__)
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-    """The decoder for ``config``'s architecture: ``DeepseekV3Model`` for MLA configs, else ``LlamaModel``."""
+    """The decoder for ``config``'s architecture: ``DeepseekV3Model`` for MLA configs, ``DeepseekV4Model`` for
+    V4's, else ``LlamaModel``."""
     if config.mla is not None:
         return DeepseekV3Model(config, weights, dtype, device)
+    if config.v4 is not None:
+        return DeepseekV4Model(config, weights, dtype, device)
     return LlamaModel(config, weights, dtype, device)
 
 

@@ -18,6 +18,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,21 +69,29 @@ def _route_v2(x: torch.Tensor, w: MoEWeights, moe: MixtureOfExperts) -> tuple[to
     return weights * moe.routed_scaling_factor, experts
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``x: [T, hidden]`` → ``down(silu(gate(x)) * up(x))``, ``[T, hidden]``."""
-    return linear(silu_mul(linear(x, gate_up)), down)
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+    """``x: [T, hidden]`` → ``down(act(gate(x), up(x)))``, ``[T, hidden]`` (``act``: SiLU(gate) * up by default)."""
+    return linear(act(linear(x, gate_up)), down)
+
+
+Router = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 class MoE:
-    """One DeepSeekMoE layer's forward over its weights (``__call__``)."""
+    """One DeepSeekMoE layer's forward over its weights (``__call__``). ``router(x, input_ids) -> (weights [T, k]
+    float32, experts [T, k])`` and ``act`` (on ``[T, 2 I]`` gate-then-up rows) replace V3's routing and SiLU-mul
+    for models that route otherwise (DeepSeek V4: ``shared/model/deepseek_v4.py``)."""
 
-    def __init__(self, weights: MoEWeights, moe: MixtureOfExperts) -> None:
-        self.w, self.moe = weights, moe
+    def __init__(self, weights: MoEWeights, moe: MixtureOfExperts, router: Router | None = None,
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> None:
+        self.w, self.moe, self.router, self.act = weights, moe, router, act
         self.expert_counts = torch.zeros(moe.n_routed_experts, dtype=torch.int64)
         self.expert_tokens = torch.zeros(moe.n_routed_experts, dtype=torch.int64)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, experts = route(x, self.w, self.moe)  # [T, k] each
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [T, hidden]`` (``input_ids: [T]`` for a router that reads them) → ``[T, hidden]``."""
+        weights, experts = route(x, self.w, self.moe) if self.router is None else self.router(x, input_ids)
         k = experts.shape[1]
         flat = experts.flatten()  # [T * k]: pair p is token p // k, slot p % k
         order = flat.argsort(stable=True)
@@ -98,7 +107,7 @@ class MoE:
             pairs = order[start:start + n]
             start += n
             tokens = pairs // k
-            h = silu_mul(x[tokens] @ self.w.gate_up[expert].T) @ self.w.down[expert].T  # [n, hidden]
+            h = self.act(x[tokens] @ self.w.gate_up[expert].T) @ self.w.down[expert].T  # [n, hidden]
             h = (h * pair_weights[pairs, None]).to(x.dtype)   # float32 weights, as transformers
             out.index_add_(0, tokens, h)
-        return out + gated_mlp(x, self.w.shared_gate_up, self.w.shared_down)
+        return out + gated_mlp(x, self.w.shared_gate_up, self.w.shared_down, self.act)

@@ -70,12 +70,11 @@ def yarn_attention_factor(scaling: dict) -> float:
     return yarn_mscale(factor)
 
 
-def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(cos, sin)``, each ``[max_positions, dim]`` (halves duplicated, NeoX layout); ``dim`` defaults to
-    ``head_dim`` (MLA rotates only ``qk_rope_head_dim`` dims)."""
-    d, theta, scaling = dim or config.head_dim, config.rope_theta, config.rope_scaling
-    inv_freq, mscale = _default_inv_freq(d, theta), 1.0
+def inv_frequencies(dim: int, theta: float, scaling: dict | None, max_positions: int,
+                    angle_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``(inverse frequencies [dim / 2] in angle_dtype, cos/sin scale)`` of a RoPE of ``dim`` dims, base ``theta``
+    and ``scaling`` (HF's ``rope_scaling``; None: plain), for a context of ``max_positions`` tokens."""
+    d, inv_freq, mscale = dim, _default_inv_freq(dim, theta), 1.0
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -84,18 +83,25 @@ def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif kind == "dynamic":  # static NTK at the full context, as vLLM does
-        factor, old_len = scaling["factor"], scaling.get("original_max_position_embeddings",
-                                                          config.max_position_embeddings)
-        max_len = config.max_position_embeddings
-        base = theta * ((factor * max_len / old_len) - (factor - 1)) ** (d / (d - 2))
+        factor, old_len = scaling["factor"], scaling.get("original_max_position_embeddings", max_positions)
+        base = theta * ((factor * max_positions / old_len) - (factor - 1)) ** (d / (d - 2))
         inv_freq = _default_inv_freq(d, base)
     elif kind == "yarn":
         inv_freq, mscale = _yarn_inv_freq(d, theta, scaling)
-    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if kind in (None, "default") and angle_dtype == torch.float32:  # HF's exact float32 expression
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    return inv_freq.to(angle_dtype), mscale
+
+
+def build_rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)``, each ``[max_positions, dim]`` (halves duplicated, NeoX layout); ``dim`` defaults to
+    ``head_dim`` (MLA rotates only ``qk_rope_head_dim`` dims)."""
+    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq, mscale = inv_frequencies(dim or config.head_dim, config.rope_theta, config.rope_scaling,
+                                       config.max_position_embeddings, angle_dtype)
     positions = torch.arange(config.max_position_embeddings, dtype=angle_dtype)
-    freqs = torch.outer(positions, inv_freq.to(angle_dtype))  # [P, D/2]
+    freqs = torch.outer(positions, inv_freq)  # [P, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
     cos, sin = emb.cos() * mscale, emb.sin() * mscale
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)

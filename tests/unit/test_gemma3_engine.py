@@ -87,7 +87,7 @@ def test_fingerprint_covers_gemma_knobs_and_keeps_llama_fingerprints(model):
     # a LLaMA config (every Gemma knob at its default) digests exactly as before the knobs existed
     llama = tiny_config()
     later = {"hidden_act", "embed_scale", "query_pre_attn_scalar", "rope_local_theta", "sandwich_norms",
-             "norm_weight_offset", "mla", "moe"}
+             "norm_weight_offset", "mla", "moe", "v4"}
     v1 = {f.name: getattr(llama, f.name) for f in dataclasses.fields(llama)
           if f.name not in later | {"model_id", "nextn_layers"}}
     assert config_digest(llama) == hashlib.blake2b(json.dumps(v1, sort_keys=True, default=list).encode(),

@@ -100,7 +100,7 @@ class GenerateRequest(WireModel):
     cache_salt: str = ""
     prefill_mode: str = "auto"      # "auto" | "remote" | "local"
     transport: str = ""             # force a KV transport; "" = router chooses
-    retention: str = ""             # cache retention class; "" = by API (messages: chat, else none)
+    retention: str = ""             # cache retention class; "" = by API (messages: chat, else the prompt class)
     speculative: bool | None = None  # speculative decoding on/off for this request; None = deployment default
     # resuming a stream whose router died (shared/client.py): the tokens the client already has, and the seq its
     # next chunk must carry; the router continues after them as after a failover

@@ -36,6 +36,13 @@ _NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_CLASS_NAME}}}")
 _SPEC_ITEM = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*=\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
 
 
+def shortest_durable(ttl_s: Mapping[str, float]) -> str:
+    """The class with the shortest ttl > 0 (ties: the first name), else ``none``: the default of requests that say
+    nothing and come from no chat (``agent`` in the default spec)."""
+    durable = sorted((ttl, name) for name, ttl in ttl_s.items() if ttl > 0)
+    return durable[0][1] if durable else NO_RETENTION
+
+
 @dataclass(slots=True)
 class BlockMeta:
     """Retention state of one stored block. ``expiry == 0.0``: DRAM-only (see module docstring)."""

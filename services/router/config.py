@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.router.policy.policies import POLICIES
 from services.router.policy.profiles import PROFILES
 from shared.config import ServiceConfig
-from shared.retention import DEFAULT_SPEC, NO_RETENTION, RetentionPolicy
+from shared.retention import DEFAULT_SPEC, RetentionPolicy, shortest_durable
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -46,7 +46,7 @@ class RouterConfig(ServiceConfig):
     drain_grace_s: float = 20.0  # on SIGTERM: how long relayed streams may finish before being cancelled
     retention: str = DEFAULT_SPEC  # the deployment's retention classes (the cache tier reads the same)
     chat_retention: str = "chat"  # class of a chat request (``messages``) that names none
-    prompt_retention: str = NO_RETENTION  # class of a raw prompt request that names none
+    prompt_retention: str = ""  # class of a raw prompt request that names none ("": the shortest durable class)
     price_cached: float = 0.02  # per million cached prompt tokens (accounting, ``deepinfer status``)
     price_uncached: float = 1.0  # per million uncached prompt tokens
     http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API (and /metrics) listens here
@@ -97,5 +97,7 @@ class RouterConfig(ServiceConfig):
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         classes = RetentionPolicy.from_spec(self.retention).ttl_s
+        if not self.prompt_retention:   # completions-style agents resend their context: keep it across restarts
+            object.__setattr__(self, "prompt_retention", shortest_durable(classes))
         if self.chat_retention not in classes or self.prompt_retention not in classes:
             raise ValueError(f"chat_retention and prompt_retention must be among {sorted(classes)}")

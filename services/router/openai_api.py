@@ -306,8 +306,11 @@ def _logprobs(body: dict, chat: bool, fields: dict) -> bool:
 def usage_block(usage: dict | None) -> dict:
     usage = usage or {}
     prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0) or 0)}}
+    block = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0) or 0)}}
+    if usage.get("retention"):   # deepinfer's: the cache retention class the request got
+        block["retention"] = usage["retention"]
+    return block
 
 
 def _head(call: ApiCall, rid: str, created: int, chunk: bool) -> dict:

@@ -75,11 +75,13 @@ class Stream:
     moved_at: float | None = None  # monotonic time of the last one
     max_tokens: int = 0  # the request's, for the tokens it still has to go
     holders: dict[str, int] = dataclasses.field(default_factory=dict)  # Placer.place's: a sibling choice's worker
+    retention: str = ""  # the retention class the request got (its own or the API's default), told in usage
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
         """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
         return {**usage, "prompt_tokens": self.prompt_len, "completion_tokens": completion_tokens,
                 "ttft_ms": (self.ttft_s or 0.0) * 1000.0, "failovers": failovers,
+                **({"retention": self.retention} if self.retention else {}),
                 **({"resumed": 1} if self.resumed else {}), **({"migrations": self.migrations} if self.migrations
                                                               else {})}
 

@@ -243,6 +243,7 @@ class RouterService(Service):
         try:
             self._check_model(req.model)
             req = dataclasses.replace(req, retention=self._retention(req), cache_salt=tenant_salt(req, tenant))
+            stream.retention = req.retention
             prompt = await self.tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)

@@ -123,6 +123,22 @@ async def test_class_none_is_not_kept_across_a_restart(nats_server, folder, expe
         assert tokens == expected and usage["cached_tokens"] == 0
 
 
+async def test_a_raw_prompt_naming_no_class_is_kept_across_a_restart_and_usage_says_its_class(
+        nats_server, folder, expected, tmp_path):
+    """A raw prompt (no ``messages``) that names no retention class gets the deployment's shortest durable one
+    (``agent``, 3 days), as completions-style agents need: after a full restart it is a tier hit, like a chat."""
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        tokens, _, usage = await generate_once(nats_server.url, request(retention=""))
+        assert tokens == expected and usage["retention"] == "agent"
+        assert await written(cluster, 9)
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path) as cluster:
+        tokens, _, usage = await generate_once(nats_server.url, request(retention=""))
+        assert tokens == expected and usage["tier_cached_tokens"] == 72
+        assert cluster.tier.ledger.as_dict()["by_tenant"]["default"]["agent"]["blocks_hit_ssd"] >= 9
+        _, _, usage = await generate_once(nats_server.url, request(retention="none"))
+        assert usage["retention"] == "none"
+
+
 async def test_an_absent_tier_changes_nothing_but_the_cache(nats_server, folder, expected):
     async with InProcessCluster(nats_server.url, folder, cache_tier="cache-nowhere") as cluster:
         for _ in range(2):

@@ -60,6 +60,7 @@ async def test_openai_client_matches_the_nats_api(nats_server, folder):
                                             extra_body=remote)
         assert done.choices[0].text == nats_text and done.choices[0].finish_reason == "length"
         assert done.usage.completion_tokens == 12 == len(ids) and done.usage.prompt_tokens > 0
+        assert done.usage.model_extra["retention"] == "agent"   # a raw prompt's default class, told in usage
         pieces, usage = [], None
         async for event in await api.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
                                                         stream=True, stream_options={"include_usage": True},
@@ -73,6 +74,7 @@ async def test_openai_client_matches_the_nats_api(nats_server, folder):
         chat = await api.chat.completions.create(model=model, messages=messages, max_completion_tokens=10,
                                                  temperature=0, extra_body=GREEDY)
         assert chat.choices[0].message.content == chat_text and chat.choices[0].message.role == "assistant"
+        assert chat.usage.model_extra["retention"] == "chat"
         deltas = []
         async for event in await api.chat.completions.create(model=model, messages=messages, max_tokens=10,
                                                              temperature=0, stream=True, extra_body=GREEDY):

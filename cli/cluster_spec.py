@@ -31,6 +31,7 @@ class ClusterSpec:
     dtype: str = "auto"
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     swa_kv_context: int = 0  # the workers' --swa-kv-context (0 = the engine's default)
+    tier_kv_format: str = ""  # the workers' --tier-kv-format ("" = blocks in the model's dtype)
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"

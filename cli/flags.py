@@ -83,6 +83,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swa-kv-context", type=int, default=0, metavar="TOKENS",
                         help="sliding-window models: split each worker's KV budget between full and window pools "
                              "for prompts of this length (default: min(context, 4096); README: SWA-aware KV)")
+    parser.add_argument("--tier-kv-format", default="", choices=["", "fp8", "int8"],
+                        help="KV blocks to and from the cache tier compressed: fp8 (e4m3) or int8 with a scale per "
+                             "layer row, K/V half and head (default: the model's dtype)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")
     parser.add_argument("--local-prefill-threshold", type=int, default=64)
     parser.add_argument("--policy", default="predictive",

@@ -87,6 +87,7 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
                        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                        allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
                        dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, swa_kv_context=args.swa_kv_context,
+                       tier_kv_format=args.tier_kv_format,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.admission_ttft,
                        transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,

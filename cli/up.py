@@ -96,6 +96,7 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                        allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
                        dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, swa_kv_context=args.swa_kv_context,
+                       tier_kv_format=args.tier_kv_format,
                        local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                        ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                        cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,

@@ -31,7 +31,7 @@ MAX_BLOCK_SIZE = 1024
 MAX_SHAPE_DIMS = 8
 MAX_HASH = (1 << 64) - 1
 KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-             "int64", "int32", "int16", "int8", "uint8")
+             "int64", "int32", "int16", "int8", "uint8", "kv-fp8", "kv-int8")  # kv-*: shared/kv/kv_codec.py
 
 
 class _BlockList:

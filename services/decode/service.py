@@ -72,6 +72,7 @@ class DecodeService(Worker):
         written_from = len(req.prompt_token_ids) // eng.config.block_size if handoff else 0  # local: set below
         imported: list[int] = []  # blocks pulled from the cache tier (local prefill)
         outcome = ErrorCode.INTERNAL.value  # unless set below: an unexpected exception (the runtime logs it)
+        seq = req.first_seq if handoff else 0   # the next chunk's seq (an error chunk after the ack takes it)
         try:
             if handoff:
                 t_fetch = time.perf_counter()

@@ -23,6 +23,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.kv_codec import codec_for
 from shared.kv.registry import available_transports, make_transport
 from shared.kv_events import KVEventPublisher
 from services.worker.tier_client import TierClient
@@ -91,7 +92,7 @@ class Worker(TierMixin, Service):
         if c.cache_tier:
             host_transports = {t: tr for t, tr in self.transports.items() if t != "cuda_ipc"}
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
-                                   c.tier_write_queue)
+                                   c.tier_write_queue, codec_for(c.tier_kv_format))
             await self.tier.start()
             await self.tier.warm_staging(engine.kv_port.block_bytes)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,

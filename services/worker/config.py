@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from shared.config import ServiceConfig
 from shared.engine.config import DEFAULT_KV_CACHE_MB
+from shared.kv.kv_codec import FORMATS as KV_FORMATS
 from shared.spec.factory import DEFAULT_DRAFTER
 
 
@@ -28,6 +29,7 @@ class WorkerConfig(ServiceConfig):
     handoff_timeout_s: float = 30.0
     drain_grace_s: float = 20.0  # on SIGTERM: how long in-flight requests may finish before being handed back
     cache_tier: str = ""  # id of the cache tier service to pull from and write back to ("" = none)
+    tier_kv_format: str = ""  # blocks to and from the tier compressed: fp8 | int8 ("" = the model's dtype)
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
     draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
@@ -56,5 +58,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.swa_kv_context < 0:
             raise ValueError("swa_kv_context must be >= 0 (0: the engine's default)")
+        if self.tier_kv_format not in ("", *KV_FORMATS):
+            raise ValueError(f"tier_kv_format must be '' or one of {', '.join(KV_FORMATS)}, "
+                             f"got {self.tier_kv_format!r}")
         if self.kv_cache_mb <= 0 or self.threads < 0 or self.heartbeat_s <= 0 or self.drain_grace_s < 0:
             raise ValueError("kv_cache_mb and heartbeat_s must be positive, threads and drain_grace_s >= 0")

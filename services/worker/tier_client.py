@@ -26,7 +26,8 @@ from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain
-from shared.kv.transport import KVTransport
+from shared.kv.kv_codec import KVCodec
+from shared.kv.transport import KVTransport, parse_dtype
 from shared.kv.transport_choice import common_transport
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,11 @@ class _Write:
 
 class TierClient:
     def __init__(self, nc, worker_id: str, tier_id: str, host: str, transports: dict[str, KVTransport],
-                 timeout_s: float = 2.0, max_queued: int = 16) -> None:
+                 timeout_s: float = 2.0, max_queued: int = 16, codec: KVCodec | None = None) -> None:
+        """``codec``: blocks travel to and from the tier in that compressed format (``shared/kv/kv_codec.py``);
+        None: in the model's dtype."""
         self.nc, self.worker_id, self.tier_id, self.host = nc, worker_id, tier_id, host
+        self.codec = codec
         self.transports, self.timeout_s = transports, timeout_s
         self.counters = TierCounters()
         self._queue: asyncio.Queue[_Write] = asyncio.Queue(max(1, max_queued))
@@ -128,6 +132,9 @@ class TierClient:
         self.counters.pulls += 1
         t0 = time.perf_counter()
         tid = self._transfer_id("tg")
+        codec, model_shape, model_dtype = self.codec, block_shape, dtype
+        if codec is not None:   # ask for blocks of this format only
+            dtype, block_shape = codec.wire_dtype, codec.encoded_shape(block_shape)
         get = protocol.CacheGet(transfer_id=tid, worker_id=self.worker_id, retention=retention,
                                 block_hashes=list(want.keys), block_digests=want.packed_digests(),
                                 model_fingerprint=want.model_fingerprint,
@@ -151,6 +158,8 @@ class TierClient:
             packed = await transport.fetch(reply.handle, timeout=self.timeout_s)   # block_pack.packed_shape
             has_window = block_pack.decode_mask(reply.window_mask, reply.num_blocks)
             kv = block_pack.unpack(packed, has_window, window_layers, block_shape)  # [n, *block_shape]
+            if codec is not None:   # [n, L, row_bytes] -> [n, *model_shape]
+                kv = await asyncio.to_thread(codec.decode, kv, model_shape, parse_dtype(model_dtype))
         except Exception as err:  # noqa: BLE001 - any failure means: compute the blocks here
             self.counters.pull_failures += 1
             logger.info("tier pull from %s failed (%s): computing instead", self.tier_id, err)
@@ -183,8 +192,13 @@ class TierClient:
             self.counters.writes_dropped += 1
             return False
         transport, tid = self.transports[name], self._transfer_id("wb")
-        nbytes = len(block_ids) * kv_cache[0].numel() * kv_cache.element_size()
         block_shape = list(block_shape or kv_cache.shape[1:])
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        if self.codec is not None:   # the rows compressed into a new tensor: staged from it
+            kv_cache = await asyncio.to_thread(self.codec.encode, kv_cache[list(block_ids)])  # [n, (L,) row_bytes]
+            block_ids, block_shape = range(len(kv_cache)), self.codec.encoded_shape(block_shape)
+            dtype = self.codec.wire_dtype
+        nbytes = len(block_ids) * kv_cache[0].numel() * kv_cache.element_size()
         if transport.budget.used + nbytes > transport.budget.max_bytes:   # never wait for room here
             self.counters.writes_dropped += 1
             return False
@@ -197,9 +211,8 @@ class TierClient:
         put = protocol.CachePut(transfer_id=tid, worker_id=self.worker_id, retention=retention,
                                 block_hashes=list(chain.keys), block_digests=chain.packed_digests(),
                                 model_fingerprint=chain.model_fingerprint, token_ids=list(token_ids),
-                                block_size=block_size,
-                                dtype=str(kv_cache.dtype).removeprefix("torch."),
-                                block_shape=block_shape, transport=name, handle=handle, tenant=tenant,
+                                block_size=block_size, dtype=dtype, block_shape=block_shape, transport=name,
+                                handle=handle, tenant=tenant,
                                 full_layers=full_layers, window_mask=window_mask)
         try:
             self._queue.put_nowait(_Write(transport, put))

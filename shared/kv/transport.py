@@ -54,6 +54,7 @@ _DTYPES: dict[str, torch.dtype] = {
                  "float8_e4m3fn", "float8_e5m2")
     if hasattr(torch, name)
 }
+_DTYPES.update({"kv-fp8": torch.uint8, "kv-int8": torch.uint8})  # the tier's compressed formats (kv_codec)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -87,6 +87,32 @@ def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list
     return [engine.generate([p], params)[0] for p in prompts]
 
 
+def round_trip_cached(engine: LLMEngine, codec) -> int:
+    """Replace every cached block's KV in ``engine`` with its ``codec`` round trip: what a tier hit of that format
+    imports (``shared/kv/kv_codec.py``). Returns how many blocks."""
+    import torch
+
+    ids = sorted(set(engine.block_manager.cached.values()))
+    kv = engine.runner.kv_cache  # [num_blocks, L, 2, kvh, bs, D]
+    index = torch.tensor(ids, dtype=torch.long)
+    kv[index] = codec.decode(codec.encode(kv[index]), list(kv.shape[1:]), kv.dtype)
+    return len(ids)
+
+
+def compressed_hit_outputs(folder, prompts: list[list[int]], max_tokens: int, codec) -> list[list[int]]:
+    """Each prompt through the single-process engine served from its own prefix once that prefix's blocks went
+    through ``codec``: the exact output of a tier hit of that format."""
+    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=256))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = []
+    for p in prompts:
+        engine.block_manager.reset_prefix_cache()
+        engine.generate([p], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        round_trip_cached(engine, codec)
+        out.append(engine.generate([p], params)[0])
+    return out
+
+
 def all_blocks_free(cluster) -> bool:
     return all(not w.engine.requests and not w.engine.kv_port.held and
                w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks

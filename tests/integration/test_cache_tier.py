@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from shared import protocol
-from tests.integration.services_harness import (InProcessCluster, all_blocks_free, generate_once,
-                                                reference_outputs, wait_until)
+from tests.integration.services_harness import (InProcessCluster, all_blocks_free, compressed_hit_outputs,
+                                                generate_once, reference_outputs, wait_until)
 from tests.model_factory import write_tiny_hf_folder
 
 PROMPT = [(13 * i + 5) % 250 + 1 for i in range(77)]       # 9 full blocks of 8; 9 reusable
@@ -137,6 +137,34 @@ async def test_a_raw_prompt_naming_no_class_is_kept_across_a_restart_and_usage_s
         assert cluster.tier.ledger.as_dict()["by_tenant"]["default"]["agent"]["blocks_hit_ssd"] >= 9
         _, _, usage = await generate_once(nats_server.url, request(retention="none"))
         assert usage["retention"] == "none"
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8"])
+async def test_compressed_tier_blocks_are_hit_after_a_restart_and_never_served_to_another_format(
+        nats_server, folder, expected, tmp_path, kv_format):
+    """Workers writing their tier blocks as ``kv_format`` (``--tier-kv-format``): the tier stores one byte per
+    number plus a scale per token and head (a sixth of this float64 model's blocks at head_dim 16); after a restart the same format
+    pulls every block and answers exactly what the engine answers from the codec's round trip of those blocks
+    (lossy: on this tiny random model fp8 changes a later token); workers that store the model's dtype miss
+    those blocks rather than read another format."""
+    from shared.kv.kv_codec import KVCodec
+
+    codec = KVCodec(kv_format)
+    through_codec = compressed_hit_outputs(folder, [PROMPT], MAX_TOKENS, codec)[0]
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path, tier_kv_format=kv_format) as cluster:
+        tokens, _, usage = await generate_once(nats_server.url, request())
+        assert tokens == expected and await written(cluster, 9)
+        block_shape = cluster.workers[0].engine.kv_port.block_shape
+        stored = cluster.tier.store._dram.entries()[0].block
+        assert stored.dtype == codec.wire_dtype
+        assert len(stored.payload) == block_shape[0] * codec.row_bytes(block_shape)
+        assert len(stored.payload) * 6 < cluster.workers[0].engine.kv_port.block_bytes   # (16 + 4) / (8 * 16)
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path, tier_kv_format=kv_format):
+        tokens, _, usage = await generate_once(nats_server.url, request())
+        assert usage["tier_cached_tokens"] == 72 and tokens == through_codec
+    async with InProcessCluster(nats_server.url, folder, tier_dir=tmp_path):
+        tokens, _, usage = await generate_once(nats_server.url, request())
+        assert tokens == expected and usage["tier_cached_tokens"] == 0
 
 
 async def test_an_absent_tier_changes_nothing_but_the_cache(nats_server, folder, expected):

@@ -172,7 +172,7 @@ async def test_tenants_are_salted_and_isolated(nats_server, folder):
         finally:
             await nc.close()
         by_tenant = cluster.router.ledger.as_dict()["by_tenant"]
-        assert by_tenant["acme"]["none"]["requests"] == 3 and by_tenant["beta"]["none"]["requests"] == 1
+        assert by_tenant["acme"]["agent"]["requests"] == 3 and by_tenant["beta"]["agent"]["requests"] == 1
 
 
 async def test_no_workers_is_503(nats_server):

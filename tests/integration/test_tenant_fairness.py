@@ -76,4 +76,4 @@ async def test_a_tenant_over_its_limit_is_refused_and_the_other_is_served(nats_s
         assert len(refused) == 4 and all(r.code == ErrorCode.OVERLOADED and "flood" in r.message for r in refused)
         assert not isinstance(results[-1], BaseException) and len(results[-1][0]) == 4
         ledger = cluster.router.ledger.as_dict()["by_tenant"]
-        assert ledger["flood"]["none"]["requests"] == FLOOD - 4 and ledger["calm"]["none"]["requests"] == 1
+        assert ledger["flood"]["agent"]["requests"] == FLOOD - 4 and ledger["calm"]["agent"]["requests"] == 1

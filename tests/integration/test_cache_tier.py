@@ -143,10 +143,10 @@ async def test_a_raw_prompt_naming_no_class_is_kept_across_a_restart_and_usage_s
 async def test_compressed_tier_blocks_are_hit_after_a_restart_and_never_served_to_another_format(
         nats_server, folder, expected, tmp_path, kv_format):
     """Workers writing their tier blocks as ``kv_format`` (``--tier-kv-format``): the tier stores one byte per
-    number plus a scale per token and head (a sixth of this float64 model's blocks at head_dim 16); after a restart the same format
-    pulls every block and answers exactly what the engine answers from the codec's round trip of those blocks
-    (lossy: on this tiny random model fp8 changes a later token); workers that store the model's dtype miss
-    those blocks rather than read another format."""
+    number plus a scale per token and head (a sixth of this float64 model's blocks at head_dim 16); after a
+    restart the same format pulls every block and answers exactly what the engine answers from the codec's round
+    trip of those blocks (lossy: on this tiny random model fp8 changes a later token); workers that store the
+    model's dtype miss those blocks rather than read another format."""
     from shared.kv.kv_codec import KVCodec
 
     codec = KVCodec(kv_format)

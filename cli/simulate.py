@@ -18,9 +18,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("simulate", help="simulate a cluster on a request trace (no hardware needed)")
     p.add_argument("--trace", default=None, help=DEFAULT_TRACE_HELP)
-    p.add_argument("--workload", default="trace", choices=("trace", "shifting"),
-                   help="trace: replay --trace; shifting: the synthetic chat -> agent -> chat mix "
-                   "(simulator/workloads.py; --speed scales its rates, --seed seeds it)")
+    p.add_argument("--workload", default="trace", choices=("trace", "shifting", "agent"),
+                   help="trace: replay --trace; shifting: the synthetic chat -> agent -> chat mix; agent: tool-calling "
+                   "agent sessions resending a growing context, 77K tokens on average (simulator/workloads.py; "
+                   "--speed scales their rates, --seed seeds them)")
+    p.add_argument("--write-trace", default=None, metavar="PATH",
+                   help="also write the workload's requests as Mooncake JSONL (for a live replay, e.g. "
+                   "benchmarks/tier_replay.py --trace PATH)")
     p.add_argument("--workers", type=int, default=8, help="aggregated workers (when --prefill is 0)")
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; 0 = aggregated)")
     p.add_argument("--decode", type=int, default=None, help="decode workers when --prefill > 0 (default --workers)")
@@ -43,8 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ssd.add_argument("--tier-ssd-blocks", type=int, default=0, metavar="N", help="tier SSD capacity in blocks")
     ssd.add_argument("--tier-frac", type=float, default=None, metavar="F",
                      help="tier SSD capacity as a fraction of the trace's distinct blocks")
-    tier.add_argument("--retention", default="chat", metavar="CLASS",
-                      help="retention class of every request (default chat)")
+    tier.add_argument("--retention", default=None, metavar="CLASS",
+                      help="retention class of every request (default agent for --workload agent, else chat)")
     tier.add_argument("--retention-spec", default=None, metavar="SPEC",
                       help="class ttls, e.g. 'chat=7d,agent=3d,none=0' (default: the block store's)")
     p.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
@@ -83,12 +87,13 @@ def load_workload(args: argparse.Namespace) -> list:
     """The requests to replay: the trace file (``--limit``, ``--offset``, ``--speed``) or the shifting workload
     (``--speed`` compresses its clock, ``--limit`` keeps its first requests)."""
     from simulator.trace import load_trace
-    from simulator.workloads import shifting_workload
+    from simulator.workloads import agent_workload, shifting_workload
 
     if args.workload == "trace":
         return load_trace(resolve_trace(args.trace), limit=args.limit, speed=args.speed, offset=args.offset)
+    make = agent_workload if args.workload == "agent" else shifting_workload
     trace = [dataclasses.replace(r, arrival_s=r.arrival_s / args.speed)
-             for r in shifting_workload(seed=args.seed, block_size=args.block_size)]
+             for r in make(seed=args.seed, block_size=args.block_size)]
     return trace[:args.limit] if args.limit is not None else trace
 
 
@@ -130,6 +135,16 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     if not trace:
         emit("deepinfer simulate: empty trace", file=sys.stderr)
         return 2
+    if args.retention is None:   # the seed's classes: agent sessions 3 days, chat 7
+        args.retention = "agent" if args.workload == "agent" else "chat"
+    if args.write_trace:
+        from simulator.trace import write_trace
+
+        try:
+            emit(f"wrote {write_trace(trace, args.write_trace)} requests to {args.write_trace}", file=sys.stderr)
+        except OSError as err:
+            emit(f"deepinfer simulate: cannot write trace: {err}", file=sys.stderr)
+            return 2
     prefill = max(0, args.prefill)
     if (args.migrate or args.planner) and not prefill:
         emit("deepinfer simulate: --migrate and --planner need a disaggregated cluster (--prefill > 0)",

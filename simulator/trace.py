@@ -36,3 +36,12 @@ def load_trace(path: str, limit: int | None = None, speed: float = 1.0, offset: 
             out.append(TraceRequest(row - 1, d["timestamp"] / 1000.0 / speed, int(d["input_length"]),
                                     int(d["output_length"]), tuple(d["hash_ids"])))
     return out
+
+
+def write_trace(requests: list[TraceRequest], path: str) -> int:
+    """Write ``requests`` as Mooncake JSONL (what ``load_trace`` reads back: timestamps in ms); returns the count."""
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000.0, 3), "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+    return len(requests)

@@ -6,6 +6,9 @@ decode-heavy) to long-input agent turns (a tool preamble plus large observations
 prefill-heavy) and back to chat. Poisson arrivals at each phase's rate; a request continues one of a few
 sessions, re-sending the session's history (a shareable prefix) plus new blocks.
 
+``agent_workload``: tool-calling agent sessions resending a context that grows by a tool result and a short
+answer per turn (the seed's 77K-token average input).
+
 Invariants: the same arguments give the same list; ``idx`` runs 0.. in arrival order; ``len(hash_ids) ==
 ceil(input_length / block_size)``; ids are chained (an id always stands at the same position of the same
 prefix, so a seen id implies its whole prefix was seen), as in the Mooncake trace.
@@ -89,3 +92,49 @@ def shifting_workload(chat_s: float = 120.0, agent_s: float = 120.0, chat_rps: f
             out.append(TraceRequest(len(out), round(t, 6), length, output, chain))
         t0 += phase.duration_s
     return out
+
+
+def agent_workload(duration_s: float = 600.0, sessions_per_s: float = 0.2, seed: int = 0, block_size: int = 512,
+                   preamble_blocks: int = 16, mean_turns: float = 34.0, max_context: int = 180_000,
+                   think_s: float = 4.0) -> list[TraceRequest]:
+    """Tool-calling agent sessions, the seed's workload: sessions start as a Poisson stream of ``sessions_per_s``
+    for ``duration_s`` seconds, each on one of 4 agent types' shared tool preambles (``preamble_blocks``
+    blocks) plus a 1-4 block task. Every turn resends the whole context; the model answers 32-256 tokens, then,
+    after a think / tool time (exponential, mean ``think_s`` seconds, counted from the request's arrival), the
+    tool result (1,024-8,192 tokens) and the answer are appended and the next turn is sent. A session ends after a
+    geometric number of turns (mean ``mean_turns``) or when its context would pass ``max_context``. With the
+    defaults the mean input is near the seed's 77K tokens (``tests/unit/test_agent_workload.py``).
+
+    Invariants (as ``shifting_workload``): the same arguments give the same list; ``idx`` runs 0.. in arrival
+    order; ``len(hash_ids) == ceil(input_length / block_size)``; ids are chained: a turn's ids extend its
+    session's previous turn's, except the previous last block when it was partial (its content grew: a new id)."""
+    rng = random.Random(seed)
+    next_id = [4 * preamble_blocks]
+
+    def fresh(n: int) -> list[int]:
+        out = list(range(next_id[0], next_id[0] + n))
+        next_id[0] += n
+        return out
+
+    preambles = [list(range(k * preamble_blocks, (k + 1) * preamble_blocks)) for k in range(4)]
+    turns: list[tuple[float, int, int, tuple[int, ...]]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(sessions_per_s)
+        if t >= duration_s:
+            break
+        tokens = preamble_blocks * block_size + rng.randint(1, 4) * block_size - rng.randrange(block_size)
+        ids = preambles[rng.randrange(4)] + fresh(-(-tokens // block_size) - preamble_blocks)
+        arrival = t
+        while True:
+            output = rng.randint(32, 256)
+            turns.append((arrival, tokens, output, tuple(ids)))
+            grown = tokens + output + rng.randint(1024, 8192)
+            if grown > max_context or rng.random() < 1.0 / mean_turns:
+                break
+            full = tokens // block_size   # blocks whose tokens stay as they were
+            ids = ids[:full] + fresh(-(-grown // block_size) - full)
+            tokens = grown
+            arrival += rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0
+    turns.sort(key=lambda r: r[0])
+    return [TraceRequest(i, round(a, 6), n, out, ids) for i, (a, n, out, ids) in enumerate(turns)]

@@ -201,3 +201,25 @@ def test_the_mtp_drafter_is_refused_for_draft_services():
     with pytest.raises(ValueError, match="inside the decode workers"):
         ClusterSpec(model="m", draft="2", drafter="mtp")
     assert ClusterSpec(model="m", draft="local", drafter="mtp").drafter == "mtp"
+
+
+def test_tier_kv_format_reaches_each_worker(monkeypatch, tmp_path):
+    """``up --tier-kv-format int8`` (and ``node``): every worker talks to its tier in that format; unset, the
+    flag is not passed; a bad value is refused by the worker config."""
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--tier-kv-format", "int8", "--cache-tier-dir",
+                                                            str(tmp_path)]), print)
+    assert spec.tier_kv_format == "int8" and cli_node.node_spec(node_args(tier_kv_format="fp8")).tier_kv_format == "fp8"
+    spawned = []
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, name, module, argv, *rest: spawned.append(argv))
+    Cluster(spec).spawn_worker("decode", 0)
+    at = spawned[0].index("--tier-kv-format")
+    assert load_config(WorkerConfig, spawned[0][at:at + 2]).tier_kv_format == "int8"
+    plain = cli_up.spec_from_args(build_parser().parse_args(["up", "--cache-tier-dir", str(tmp_path)]), print)
+    Cluster(plain).spawn_worker("decode", 0)
+    assert "--tier-kv-format" not in spawned[1]
+    with pytest.raises(ValueError, match="tier_kv_format"):
+        WorkerConfig(tier_kv_format="fp4")

@@ -110,3 +110,15 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-host", default="127.0.0.1",
                         help="the router's OpenAI-compatible API address (0.0.0.0: reachable from other hosts)")
     parser.add_argument("--http-port", type=int, default=8000, help="its port (0 = any free port, -1 = no HTTP)")
+
+
+def cluster_flag_values(args: argparse.Namespace) -> dict:
+    """The ``ClusterSpec`` fields ``add_cluster_flags`` sets the same way for ``up`` and ``node``."""
+    return dict(served_model_name=args.served_model_name, chat_template=args.chat_template,
+                tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
+                reasoning_parser=args.reasoning_parser, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+                swa_kv_context=args.swa_kv_context, tier_kv_format=args.tier_kv_format,
+                local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
+                ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
+                cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
+                drafter=args.drafter, transports=args.transports)

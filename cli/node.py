@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cli import up as cli_up
-from cli.flags import add_cluster_flags, add_nats_url, deprecated
+from cli.flags import add_cluster_flags, add_nats_url, cluster_flag_values, deprecated
 from shared import nats_auth
 from cli.cluster_spec import ClusterSpec
 from shared.nats_cluster import DEFAULT_ROUTE_PORT, ROUTE_USER, NatsClusterNode, route_url
@@ -82,17 +82,8 @@ def node_spec(args: argparse.Namespace, emit: Callable[..., None] = print) -> Cl
     cluster = NatsClusterNode(server_name=args.name, listen=f"{nats_host}:{args.route_port}",
                               routes=tuple(join), route_password=passwords.get(ROUTE_USER, "")) if join else None
     replicas = args.registry_replicas or min(3, 1 + len(join))
-    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "",
-                       served_model_name=args.served_model_name,
-                       chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-                       allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
-                       dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, swa_kv_context=args.swa_kv_context,
-                       tier_kv_format=args.tier_kv_format,
-                       local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
-                       ttft_slo_s=args.admission_ttft,
-                       transports=args.transports, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
-                       cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
-                       draft=cli_up.draft_spec(args, emit), drafter=args.drafter, http_host=args.http_host,
+    return ClusterSpec(prefill=args.prefill, decode=args.decode, model=args.model or "", **cluster_flag_values(args),
+                       draft=cli_up.draft_spec(args, emit), http_host=args.http_host,
                        http_port=args.http_port if args.router else -1,
                        auth=bool(passwords), passwords=passwords, router=args.router, name=args.name,
                        nats_host=nats_host, nats_port=nats_port, nats_cluster=cluster,

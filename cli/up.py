@@ -15,7 +15,7 @@ import aiohttp
 
 from shared import nats_auth
 from shared.http_client import stream_events
-from cli.flags import add_cluster_flags, add_nats_url
+from cli.flags import add_cluster_flags, add_nats_url, cluster_flag_values
 from cli.launcher import Cluster, ClusterSpec
 from cli.launcher_scale import LauncherScaleDesk
 
@@ -92,16 +92,7 @@ def spec_from_args(args: argparse.Namespace, emit: Callable[..., None] = print) 
                          "file has none (python -m shared.nats_auth env --monitor --launcher)")
     prefill = args.prefill if args.prefill is not None else default_prefill_workers()
     return ClusterSpec(prefill=prefill, decode=args.decode, nats_url=args.nats_url or "", model=args.model or "",
-                       served_model_name=args.served_model_name,
-                       chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-                       allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
-                       dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, swa_kv_context=args.swa_kv_context,
-                       tier_kv_format=args.tier_kv_format,
-                       local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
-                       ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
-                       cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,
-                       draft=draft_spec(args, emit), drafter=args.drafter, transports=args.transports,
-                       http_host=args.http_host,
+                       **cluster_flag_values(args), draft=draft_spec(args, emit), http_host=args.http_host,
                        http_port=args.http_port, api_keys=args.api_keys, auth=not args.no_auth, passwords=passwords,
                        tenants=[t.strip() for t in args.tenants.split(",") if t.strip()],
                        switchable=args.switchable, planner=args.planner,

@@ -18,8 +18,9 @@ Invariants (beyond ``DraftModelDrafter``'s, whose anchored window, batching and 
   next call recomputes accepted drafts' rows from the target's states.
 - ``observe`` that does not extend a sequence's rows exactly at their end (a recompute after preemption, a gap)
   restarts that sequence: rows from ``start`` on, its module state dropped.
-- Memory is bounded: at most ``window + stride + 2`` rows of ``hidden`` numbers kept per sequence (as many as
-  the next anchored window can need), for at most ``max_states`` sequences (least recently observed dropped).
+- Memory is bounded: at most ``2 * (window + stride + 2)`` rows of ``hidden`` numbers per sequence (trimmed to
+  the ``window + stride + 2`` the next anchored window can need once past that), for at most ``max_states``
+  sequences (least recently observed dropped).
 - Greedy output equals plain decoding and sampled output follows the target's distribution: proposals are
   point masses verified by the engine's rejection rule, like every drafter's (``shared/spec/types.py``).
 """

@@ -186,3 +186,29 @@ def test_a_draft_service_or_a_dense_model_refuses_mtp(loaded):
         make_drafter("mtp", target(loaded), local=False)
     with pytest.raises(DeepinferError, match="DeepSeek V3 checkpoint"):
         make_drafter("mtp", tiny_model(seed=1))
+
+
+def test_hidden_rows_kept_are_bounded_per_sequence_and_in_sequences(loaded):
+    drafter = MtpDrafter(target(loaded), window=16, max_batch=2, max_states=3)   # keeps 16 + 8 + 2 = 26 rows
+    hidden = torch.randn(1, 64)
+    for pos in range(500):   # one decode row per step
+        drafter.observe("s", pos, hidden)
+    assert drafter.hidden["s"].rows.shape[0] <= 2 * 26 and drafter.hidden["s"].end == 500
+    for i in range(5):
+        drafter.observe(f"other{i}", 0, hidden)
+    assert len(drafter.hidden) == 3 and "s" not in drafter.hidden   # least recently observed dropped
+
+
+def test_an_incomplete_mtp_layer_is_left_out_and_the_model_still_loads(folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.4.eh_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    config, weights, _ = load_model_files(broken)
+    assert config.nextn_layers == 0 and not any(n.startswith("model.layers.4.") for n in weights)
+    assert build_model(config, weights, torch.float32, CPU).nextn_weights == {}

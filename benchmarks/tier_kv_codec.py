@@ -19,7 +19,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.kv.block_hash import DIGEST_BYTES, block_key, unpack_digests
+from shared.kv.kv_codec import COMPRESSED_DTYPES
 from shared.wire_fields import (check_fingerprint, check_id, check_one_of, check_range, check_window_mask,
                                 check_worker, require)
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
@@ -31,7 +32,7 @@ MAX_BLOCK_SIZE = 1024
 MAX_SHAPE_DIMS = 8
 MAX_HASH = (1 << 64) - 1
 KV_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-             "int64", "int32", "int16", "int8", "uint8", "kv-fp8", "kv-int8")  # kv-*: shared/kv/kv_codec.py
+             "int64", "int32", "int16", "int8", "uint8", *COMPRESSED_DTYPES)
 
 
 class _BlockList:

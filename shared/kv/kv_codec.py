@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from shared.errors import invalid
 
+if TYPE_CHECKING:  # torch is imported where blocks are coded: the wire modules read the names without it
+    import torch
+
 FORMATS = ("fp8", "int8")
+COMPRESSED_DTYPES = tuple(f"kv-{name}" for name in FORMATS)  # the stored dtype names (wire, tier, transports)
 _FP8_MAX = 448.0   # largest finite float8_e4m3fn
 _INT8_MAX = 127.0
 
@@ -56,6 +58,8 @@ class KVCodec:
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows: [..., 2, kvh, bs, D]`` (any float dtype) → ``uint8 [..., row_bytes]``."""
+        import torch
+
         lead, (halves, heads, bs, d) = rows.shape[:-4], rows.shape[-4:]
         x = rows.reshape(-1, halves * heads * bs, d).float()  # [R, 2 kvh bs, D]
         amax = x.abs().amax(dim=-1)  # [R, 2 kvh bs]
@@ -73,6 +77,8 @@ class KVCodec:
     def decode(self, encoded: torch.Tensor, block_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """``uint8 [..., row_bytes]`` → ``[..., 2, kvh, bs, D]`` of ``dtype`` (``block_shape``: ``[L, 2, kvh, bs,
         D]``)."""
+        import torch
+
         halves, heads, bs, d = block_shape[1:]
         lead = encoded.shape[:-1]
         flat = encoded.reshape(-1, encoded.shape[-1]).contiguous()

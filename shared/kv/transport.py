@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.kv_codec import COMPRESSED_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ _DTYPES: dict[str, torch.dtype] = {
                  "float8_e4m3fn", "float8_e5m2")
     if hasattr(torch, name)
 }
-_DTYPES.update({"kv-fp8": torch.uint8, "kv-int8": torch.uint8})  # the tier's compressed formats (kv_codec)
+_DTYPES.update({name: torch.uint8 for name in COMPRESSED_DTYPES})  # the tier's compressed rows, as bytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

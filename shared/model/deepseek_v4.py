@@ -240,7 +240,7 @@ class DeepseekV4Model:
             rope.inv_freq = rope.inv_freq.to(device)
 
     def _layer(self, take, i: int, moe: MixtureOfExperts) -> _Layer:
-        v4, c = self.config.v4, self.config
+        v4 = self.config.v4
         p, kind = f"model.layers.{i}.", v4.layer_types[i]
         a, g = p + "attn.", p + "ffn."
 
@@ -353,7 +353,7 @@ class DeepseekV4Model:
         cos, sin = self.ropes["compress"].tables(positions, entries.dtype)
         state.entries = torch.cat([state.entries, _Rope.apply(entries, cos, sin)])
 
-    def _indexed(self, layer: _Layer, state: CompressorState, q: torch.Tensor, weights: torch.Tensor,
+    def _indexed(self, state: CompressorState, q: torch.Tensor, weights: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """``[n, entries]`` bool: the compressed entries each query picks (top-k indexer scores, causal)."""
         v4 = self.config.v4
@@ -404,7 +404,7 @@ class DeepseekV4Model:
                 entries = st.compressor.entries
                 if layer.indexer is not None:
                     self._compress(st.indexer, ikv[a:b], igate[a:b], layer.indexer)
-                    seen = self._indexed(layer, st.indexer, iq[a:b], iw[a:b], pos)
+                    seen = self._indexed(st.indexer, iq[a:b], iw[a:b], pos)
                 else:
                     seen = torch.arange(entries.shape[0], device=x.device)[None] < ((pos + 1) // comp.ratio)[:, None]
                 keys, mask = torch.cat([keys, entries]), torch.cat([mask, seen], dim=1)

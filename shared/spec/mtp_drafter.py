@@ -26,7 +26,6 @@ Invariants (beyond ``DraftModelDrafter``'s, whose anchored window, batching and 
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ from shared.model.deepseek import DeepseekV3Model
 from shared.model.mtp import MultiTokenPredictor
 from shared.spec.draft_model import DraftModelDrafter, _Plan
 from shared.spec.types import DraftInput
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -18,16 +18,13 @@ from shared.spec.factory import make_drafter
 from shared.spec.mtp_drafter import MtpDrafter
 from shared.spec.types import DraftInput
 from tests.deepseek_factory import VOCAB, write_v3_folder
+from tests.model.test_deepseek_v3_tiny import prompt
 from tests.tiny_model import all_logits
 from tests.unit.test_spec_engine import OracleDrafter
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(37 * i + 11 + salt) % (VOCAB - 10) + 5 for i in range(n)]
 
 
 @pytest.fixture(scope="module")

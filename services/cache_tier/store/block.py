@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.errors import DeepinferError, ErrorCode, invalid
+from shared.kv.kv_codec import COMPRESSED_DTYPES
 
 MAX_HASH = (1 << 64) - 1
 MAX_TOKEN_ID = (1 << 32) - 1     # block_hash packs token ids as uint32
@@ -32,7 +33,7 @@ MAX_WRITER_CHARS = 128             # a subject token (shared/subjects.MAX_TOKEN_
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
     "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "kv-fp8": 1, "kv-int8": 1,   # compressed rows as bytes (shared/kv/kv_codec.py)
+    **{name: 1 for name in COMPRESSED_DTYPES},   # compressed rows as bytes (shared/kv/kv_codec.py)
 }
 
 

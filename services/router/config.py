@@ -35,6 +35,7 @@ class RouterConfig(ServiceConfig):
     dispatch_timeout_s: float = 5.0  # a worker must accept a request within this
     stall_probe_s: float = 2.0  # a stream silent this long: ask its workers whether they still hold it
     max_failovers: int = 2  # re-placements of a request whose worker died (prompt + delivered tokens)
+    max_refusals: int = 4  # re-placements of a request a worker refused (draining, overloaded): nothing ran there
     max_inflight: int = 256  # admission: more concurrent requests than this are rejected (overloaded)
     tenant_max_inflight: int = 0  # one tenant's requests here at most (beyond: overloaded); 0 = max_inflight // 2
     tenant_weights: str = ""  # fair shares of dispatch slots, "acme=2,beta=0.5" (others 1; the plain API is "")
@@ -80,7 +81,7 @@ class RouterConfig(ServiceConfig):
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)  # slots=True rebuilds the class: no zero-argument super()
         if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
-                or self.block_size <= 0 or self.max_failovers < 0 or self.drain_grace_s < 0
+                or self.block_size <= 0 or self.max_failovers < 0 or self.max_refusals < 0 or self.drain_grace_s < 0
                 or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
                 or self.tenant_max_inflight < 0 or self.dispatch_window < -1
                 or not 0 <= self.migrate_kv_low <= self.migrate_kv_high or self.migrate_cooldown_s < 0

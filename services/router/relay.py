@@ -10,7 +10,9 @@ partner lost, a failed or refused hand-off (``model_mismatch``: the decode worke
 worker's), or hands the stream back while draining; also an attempt whose chunks were lost in transit (a gap in
 the workers' numbering, or a silence in which no worker holds the request any more). The stream is then
 re-placed with prompt + the tokens already delivered, up to ``max_failovers`` times, so the client sees one
-stream with no gap or duplicate
+stream with no gap or duplicate. A worker that answered with a refusal (draining, overloaded, another build: it
+is alive and started nothing) is not a failover: those re-placements are bounded by ``max_refusals`` apart, and
+``usage["failovers"]`` counts only attempts that a worker's loss or a lost hand-off / chunk ended
 (greedy output is exactly the uninterrupted one; a sampled continuation draws afresh from the same
 distribution). Every other error ends the stream with that error.
 
@@ -48,9 +50,10 @@ class AttemptFailed(DeepinferError):
     """An attempt failed in a way another placement may fix; ``workers`` (possibly none, for a message lost in
     transit) are avoided by the next attempt while their role has others."""
 
-    def __init__(self, code: ErrorCode, message: str, workers: set[str]) -> None:
+    def __init__(self, code: ErrorCode, message: str, workers: set[str], refused: bool = False) -> None:
         super().__init__(code, message)
         self.workers = workers
+        self.refused = refused  # the worker answered that it takes no work now: nothing of the attempt ran
 
 
 @dataclasses.dataclass(slots=True)
@@ -108,11 +111,12 @@ class Relay:
 
     def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
                  max_failovers: int, stall_probe_s: float = 2.0,
-                 on_failover: Callable[[], None] = lambda: None, router: tuple[str, str] = ("", "")) -> None:
+                 on_failover: Callable[[], None] = lambda: None, router: tuple[str, str] = ("", ""),
+                 max_refusals: int = 4) -> None:
         self.nc, self.placer, self.table = nc, placer, table
         self.router_id, self.router_instance = router  # named in work messages: workers drop work of a dead relay
         self.on_failover = on_failover
-        self.dispatch_timeout_s, self.max_failovers = dispatch_timeout_s, max_failovers
+        self.dispatch_timeout_s, self.max_failovers, self.max_refusals = dispatch_timeout_s, max_failovers, max_refusals
         self.stall_probe_s = stall_probe_s
         self.live: dict[str, Stream] = {}  # client request id -> its stream, while this router relays it
 
@@ -125,36 +129,47 @@ class Relay:
             self.live.pop(stream.rid, None)
 
     async def _serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
-        attempt = 0
+        placement = failovers = refusals = 0  # placements number the workers' ids; the others bound retries
         while True:
             try:
-                await self._attempt(req, prompt, stream, attempt)
+                await self._attempt(req, prompt, stream, placement, failovers)
                 return
             except AttemptFailed as err:
-                if stream.ended or attempt >= self.max_failovers or stream.deadline <= time.monotonic():
+                if stream.ended or stream.deadline <= time.monotonic():
                     raise
-                attempt += 1
-                self.on_failover()
+                if err.refused:
+                    if refusals >= self.max_refusals:
+                        raise
+                    refusals += 1
+                else:
+                    if failovers >= self.max_failovers:
+                        raise
+                    failovers += 1
+                    self.on_failover()
+                placement += 1
                 stream.failed_workers.update(err.workers)
-                logger.warning("[%s] %s; re-placing with %d tokens delivered (failover %d)", stream.rid,
-                               err.message, len(stream.delivered), attempt)
+                logger.log(logging.INFO if err.refused else logging.WARNING,
+                           "[%s] %s; re-placing with %d tokens delivered (%s %d)", stream.rid, err.message,
+                           len(stream.delivered), "refusal" if err.refused else "failover",
+                           refusals if err.refused else failovers)
 
     async def _attempt(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream,
-                       attempt: int) -> None:
-        """Place and run the request once, continuing after the tokens ``stream`` already delivered."""
+                       placement: int, failovers: int) -> None:
+        """Place and run the request once (the stream's ``placement``-th try, after ``failovers`` failovers),
+        continuing after the tokens ``stream`` already delivered."""
         params = req.sampling()
         if stream.delivered:
             left = params.max_tokens - len(stream.delivered)
             if left <= 0:  # the worker died between the last token and the final chunk
                 await self.forward(stream, protocol.TokenChunk(
                     request_id=stream.rid, seq=0, token_ids=[], final=True, finish_reason="length",
-                    usage=stream.whole_usage({}, len(stream.delivered), attempt)))
+                    usage=stream.whole_usage({}, len(stream.delivered), failovers)))
                 return
             params = dataclasses.replace(params, prompt_logprobs=None)   # the client has them
         prior = list(stream.delivered)   # the engine recomputes their KV and counts them as output
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request
-        work_id = attempt_id(stream.rid, attempt)
+        work_id = attempt_id(stream.rid, placement)
         prefill_w, decode_w, transport, build = self.placer.place(
             work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
             exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
@@ -184,7 +199,7 @@ class Relay:
                                                    router_id=self.router_id, router_instance=self.router_instance,
                                                    prior_output_ids=prior)
             await self._dispatch(target, work)
-            finished = await self._relay(sub, stream, stream.attempt, attempt)
+            finished = await self._relay(sub, stream, stream.attempt, failovers)
         finally:
             stream.attempt = None
             account.close()
@@ -224,10 +239,10 @@ class Relay:
         if isinstance(answer, protocol.ErrorReply):
             err = answer.to_exception()
             if err.code.value in RETRYABLE_CODES:
-                raise AttemptFailed(err.code, f"worker {wid} refused: {err.message}", {wid})
+                raise AttemptFailed(err.code, f"worker {wid} refused: {err.message}", {wid}, refused=True)
             raise err
 
-    async def _relay(self, sub, stream: Stream, att: Attempt, attempt: int) -> bool:
+    async def _relay(self, sub, stream: Stream, att: Attempt, failovers: int) -> bool:
         """Forward one attempt's chunks to the client until its final chunk; True when it ended without error.
 
         The attempt's workers number its chunks 0, 1, 2, ... (the prefill worker's first token is 0); a gap, or
@@ -271,7 +286,7 @@ class Relay:
                     stream.ttft_s = time.monotonic() - stream.t0
             usage = chunk.usage
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
-                usage = stream.whole_usage(usage, len(stream.delivered) + len(chunk.token_ids), attempt)
+                usage = stream.whole_usage(usage, len(stream.delivered) + len(chunk.token_ids), failovers)
             await self.forward(stream, dataclasses.replace(chunk, usage=usage))
             if chunk.final:
                 return chunk.error is None
@@ -326,7 +341,7 @@ class _StallWatch:
                                 f"{worker_ids[0]}", {worker_ids[0]})
 
 
-def attempt_id(rid: str, attempt: int) -> str:
-    """The workers' id for failover attempt ``attempt`` of client request ``rid`` (unique, bounded length)."""
-    suffix = f"~{attempt}"
+def attempt_id(rid: str, placement: int) -> str:
+    """The workers' id for placement ``placement`` of client request ``rid`` (unique, bounded length)."""
+    suffix = f"~{placement}"
     return rid + suffix if len(rid) + len(suffix) <= MAX_ID_LEN else uuid.uuid4().hex + suffix

@@ -93,7 +93,8 @@ class RouterService(Service):
                                    pid=os.getpid(), transports=[], block_size=0, started_at=time.time())
         self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
-                           on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance))
+                           on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance),
+                           max_refusals=c.max_refusals)
         self.migrator = Migrator.for_router(self.nc, self.relay, self.table, c, self.runtime.spawn)
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)

@@ -132,7 +132,7 @@ async def test_rolling_restart_of_every_worker_fails_no_request(tmp_path, drain)
     if migrate:
         assert n_handed_back == 0 and set(failovers) == {0} and migrated > 0, (
             f"the draining decode workers' streams moved, none re-prefilled: handed back {handed_back}, failovers "
-            f"{failovers}, migrations {migrated}")
+            f"{failovers}, migrations {migrated}\n" + "\n".join(log_grep(cluster.log_dir, "re-placing")))
         return
     assert n_handed_back > 0 and sum(n for k, n in failovers.items() if k > 0) > 0, (
         f"long streams outlive the {DRAIN_GRACE_S} s grace and are handed back: {handed_back}, failovers "

@@ -6,7 +6,8 @@ import pytest
 
 from services.router.relay import AttemptFailed
 from shared import protocol, subjects
-from shared.errors import ErrorCode
+from shared.bus import reply_error
+from shared.errors import DeepinferError, ErrorCode
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, generate_once, reference_outputs, wait_until
 from tests.model_factory import write_tiny_hf_folder
@@ -22,15 +23,32 @@ def request(prompt, max_tokens=10, **kw) -> protocol.GenerateRequest:
                                     ignore_eos=True, timeout_s=60.0, **kw)
 
 
-async def ghost_heartbeats(url: str, report: protocol.LoadReport, stop: asyncio.Event) -> None:
-    """Heartbeats of a worker that subscribes to nothing: the most attractive worker, and it never accepts."""
+async def ghost_heartbeats(url: str, report: protocol.LoadReport, stop: asyncio.Event,
+                           refusal: DeepinferError | None = None) -> None:
+    """Heartbeats of a worker that is the most attractive one and never accepts: it subscribes to nothing (no
+    responders), or with ``refusal`` answers every dispatch with that error (a worker that drains, before its
+    draining heartbeat reached the router)."""
     nc = await connect(url)
     try:
+        if refusal is not None:
+            async def refuse(msg):
+                await reply_error(nc, msg, refusal)
+            for subject in (subjects.decode(report.worker_id), subjects.prefill(report.worker_id)):
+                await nc.subscribe(subject, cb=refuse)
         while not stop.is_set():
             await nc.publish(subjects.load(report.worker_id, report.role), protocol.encode(report))
             await asyncio.sleep(0.2)
     finally:
         await nc.close()
+
+
+def ghost_of(real, role: str) -> protocol.LoadReport:
+    """An idle worker's heartbeat with ``real``'s model build and host (the placement's first choice)."""
+    return protocol.LoadReport(worker_id="a-ghost", role=role, model_id=real.engine.model.config.model_id,
+                               num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=10**6,
+                               num_total_blocks=10**6, block_size=8, transports=["shm"],
+                               host=real.runtime.info.host, timestamp=time.time(),
+                               model_fingerprint=real.engine.fingerprint)
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -41,13 +59,8 @@ async def test_worker_without_responder_is_failed_over(nats_server, folder, role
     expected = reference_outputs(folder, [prompt], 10)[0]
     async with InProcessCluster(nats_server.url, folder, transports="shm") as cluster:
         real = next(w for w in cluster.workers if w.config.role == role)
-        ghost = protocol.LoadReport(worker_id="a-ghost", role=role, model_id=real.engine.model.config.model_id,
-                                    num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=10**6,
-                                    num_total_blocks=10**6, block_size=8, transports=["shm"],
-                                    host=real.runtime.info.host, timestamp=time.time(),
-                                    model_fingerprint=real.engine.fingerprint)
         stop = asyncio.Event()
-        beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost, stop))
+        beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost_of(real, role), stop))
         try:
             assert await wait_until(lambda: cluster.router.table.is_alive("a-ghost"))
             mode = "local" if role == "decode" else "remote"
@@ -57,6 +70,37 @@ async def test_worker_without_responder_is_failed_over(nats_server, folder, role
             await beating
     assert ids == expected
     assert usage["failovers"] == 1
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_a_refusal_is_re_placed_without_a_failover(nats_server, folder, role):
+    """The policy's first choice answers `unavailable` (it drains; its draining heartbeat is not in yet): the
+    request runs on another worker exactly, and ``usage["failovers"]`` stays 0 (no worker was lost, nothing
+    ran twice). With ``max_refusals=0`` the same refusal ends the request with that error: the bound holds."""
+    prompt = list(range(5, 44))
+    expected = reference_outputs(folder, [prompt], 10)[0]
+    mode = "local" if role == "decode" else "remote"
+    refusal = DeepinferError(ErrorCode.UNAVAILABLE, "a-ghost is draining")
+    for max_refusals in (4, 0):
+        async with InProcessCluster(nats_server.url, folder, transports="shm",
+                                    router_kw={"max_refusals": max_refusals}) as cluster:
+            real = next(w for w in cluster.workers if w.config.role == role)
+            stop = asyncio.Event()
+            beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost_of(real, role), stop, refusal))
+            try:
+                assert await wait_until(lambda: cluster.router.table.is_alive("a-ghost"))
+                if max_refusals:
+                    ids, _, usage = await generate_once(nats_server.url, request(prompt, prefill_mode=mode))
+                else:
+                    with pytest.raises(DeepinferError) as ended:
+                        await generate_once(nats_server.url, request(prompt, prefill_mode=mode))
+            finally:
+                stop.set()
+                await beating
+        if max_refusals:
+            assert ids == expected and usage["failovers"] == 0
+        else:
+            assert ended.value.code == ErrorCode.UNAVAILABLE and "draining" in ended.value.message
 
 
 async def test_a_heartbeat_whose_body_disagrees_with_its_subject_is_ignored(nats_server, folder):
@@ -101,6 +145,7 @@ async def test_refusals_are_retryable_and_bad_input_is_not(nats_server, folder):
         with pytest.raises(AttemptFailed) as refused:
             await relay._dispatch(worker, work)
         assert refused.value.code == ErrorCode.UNAVAILABLE and refused.value.workers == {"decode-0"}
+        assert refused.value.refused  # re-placed without counting a failover
         cluster.workers[0].runtime.draining = False
         bad = protocol.DecodeLocalRequest(request_id="r~1", prompt_token_ids=[10**6], reply_to="_INBOX.x",
                                           sampling={"max_tokens": 2})

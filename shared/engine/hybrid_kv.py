@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
+from shared.engine.v4_kv import build_v4_manager
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
@@ -287,10 +288,13 @@ def min_window_blocks(window: int, block_size: int, max_step_tokens: int) -> int
 
 
 def build_kv_manager(model: LlamaModel, config: EngineConfig, max_model_len: int) -> KVManager:
-    """The engine's ``KVManager``: one pool, or two KV groups when ``config.swa_kv`` and the model has window
-    layers (pool sizes from ``config.num_kv_blocks``, or ``config.kv_cache_bytes`` split for prompts of
+    """The engine's ``KVManager``: DeepSeek V4's per-sequence states (``shared/engine/v4_kv.py``), one pool, or two
+    KV groups when ``config.swa_kv`` and the model has window layers (pool sizes from ``config.num_kv_blocks``, or ``config.kv_cache_bytes`` split for prompts of
     ``config.swa_kv_context`` tokens, default ``min(max_model_len, SWA_KV_CONTEXT)``: see the module docstring)."""
     mc, bs = model.config, config.block_size
+    if mc.v4 is not None:   # per-sequence states, no pools
+        return build_v4_manager(mc, model.embed.element_size(), bs, config.kv_cache_bytes, config.num_kv_blocks,
+                                config.enable_prefix_caching, model.new_state)
     layer_bytes = 2 * bs * mc.kv_cache_heads * mc.kv_cache_dim * model.embed.element_size()
     windows = [w for w in mc.layer_sliding_windows if w is not None]
     if not (config.swa_kv and windows):

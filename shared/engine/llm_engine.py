@@ -39,15 +39,14 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer=None) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         mc = model.config
-        if mc.v4 is not None:
-            raise invalid("DeepSeek V4 loads and computes (shared/model/deepseek_v4.py), but this engine has no "
-                          "paged pools for its window rows and compressed entries yet: it cannot serve it")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_manager: KVManager = build_kv_manager(model, config, self.max_model_len)  # 1 pool or KV groups
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
         self.runner = ModelRunner(model, self.block_manager, self.grammars)
-        if config.decode_graphs == "eager" or (config.decode_graphs == "auto" and model.device.type == "cuda"):
+        paged = self.runner.kv_cache is not None   # else per-sequence states (DeepSeek V4): no graphs
+        if paged and (config.decode_graphs == "eager" or (config.decode_graphs == "auto"
+                                                           and model.device.type == "cuda")):
             self.runner.use_decode_graphs(max_blocks=-(-self.max_model_len // config.block_size),
                                           max_batch=min(config.decode_graph_max_batch, config.max_num_seqs),
                                           capture=config.decode_graphs == "auto")
@@ -163,7 +162,8 @@ class LLMEngine:
     def kv_pools(self) -> list[dict[str, int | str]]:
         """The KV budget's split: per pool its ``name``, ``blocks``, ``free`` blocks and ``block_bytes``
         (``KVManager.pools``; ``/metrics`` and ``deepinfer status`` show it)."""
-        sizes = kv_cache.pool_block_bytes(self.runner.kv_cache)
+        kv = self.runner.kv_cache
+        sizes = kv_cache.pool_block_bytes(kv) if kv is not None else [self.block_manager.block_bytes]
         return [{"name": name, "blocks": blocks, "free": free, "block_bytes": nbytes}
                 for (name, blocks, free), nbytes in zip(self.block_manager.pools(), sizes)]
 
@@ -194,6 +194,9 @@ class LLMEngine:
     def set_speculator(self, speculator) -> None:
         """Turn speculative decoding on (a ``Speculator``) or off (None); set before stepping starts. A drafter
         that reads the target's hidden states (``observe``: the MTP drafter) has the model keep them."""
+        if speculator is not None and self.runner.kv_cache is None:
+            raise invalid("speculative decoding on DeepSeek V4 needs its states rolled back past rejected drafts, "
+                          "which this engine does not do yet")
         if speculator is not None and speculator.max_model_len is None:
             speculator.max_model_len = self.max_model_len
         self.speculator = speculator

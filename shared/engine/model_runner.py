@@ -24,7 +24,9 @@ from shared.engine.sampler import sample
 from shared.engine.spec_verify import verify
 from shared.engine.scheduler import SchedulerOutput
 from shared.logprobs import Logprobs, of_tokens
+from shared.model.deepseek_v4 import V4Chunk
 from shared.model.llama import LlamaModel
+from shared.model.v4_state import V4SequenceState
 
 
 class Sampled(NamedTuple):
@@ -50,10 +52,12 @@ class ModelRunner:
         self._eos = tuple(model.config.eos_token_ids)
         if model.device.type == "cpu":
             cpu_paged_attention.load()  # build/load now, not inside the first decode step
-        # kv_cache: [num_blocks, L, 2, kvh, block_size, D], or one pool per KV group (shared/model/kv_cache.py)
-        self.kv_cache: kv_cache.KVCache = kv_cache.allocate_pools(block_manager.pool_sizes, model.config,
-                                                                  block_manager.block_size, model.dtype, model.device)
+        # kv_cache: [num_blocks, L, 2, kvh, block_size, D], or one pool per KV group (shared/model/kv_cache.py);
+        # None for a layout of per-sequence states (no pools: DeepSeek V4, shared/engine/v4_kv.py)
         self.num_groups = len(block_manager.pool_sizes)
+        self.kv_cache: kv_cache.KVCache | None = kv_cache.allocate_pools(
+            block_manager.pool_sizes, model.config, block_manager.block_size, model.dtype, model.device) \
+            if self.num_groups else None
         self._cascade = cascade_attention.available(model.device, model.dtype)
         self.graphs: DecodeGraphs | None = None
 
@@ -110,6 +114,8 @@ class ModelRunner:
                 first, end = max(start, len(lps)), min(start + n, req.num_prompt_tokens - 1)
                 if first < end:
                     scored.append((req, first, range(row0 + first - start, row0 + end - start)))
+        if not ngroups:
+            meta = self._state_chunks(ordered, spans)
         metas = []
         for g in range(ngroups):
             width = max((len(t) for t in decode_tables[g]), default=0)
@@ -130,7 +136,35 @@ class ModelRunner:
         for _, _, score_rows in scored:
             logits_rows.extend(score_rows)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return input_ids, pos_t, metas[0] if ngroups == 1 else metas, rows, sampled, scored, num_sample_rows, spans
+        if ngroups:
+            meta = metas[0] if ngroups == 1 else metas
+        return input_ids, pos_t, meta, rows, sampled, scored, num_sample_rows, spans
+
+    def _state_chunks(self, ordered, spans) -> list[V4Chunk]:
+        """A state layout's batch: each request's rows as a chunk of its state, split at the last block boundary
+        the step crosses inside it, where the model snapshots the state for the prefix cache (a boundary at
+        the chunk's end snapshots the whole chunk). Within the prompt the boundary stays before its last token:
+        the snapshot a repeat of the prompt can hit (a hit leaves one token to compute)."""
+        bs, chunks = self.bm.block_size, []
+        for s, (_, start, row0, n) in zip(ordered, spans):
+            req = s.request
+            state = self.bm.state_of(req.request_id)
+            boundary = (min(start + n, req.num_prompt_tokens - 1) if start < req.num_prompt_tokens
+                        else start + n) // bs * bs
+            if not self.bm.enable_caching or boundary <= start:
+                chunks.append(V4Chunk(state, row0, row0 + n))
+                continue
+            cut = row0 + boundary - start
+            chunks.append(V4Chunk(state, row0, cut, V4SequenceState()))
+            if cut < row0 + n:
+                chunks.append(V4Chunk(state, cut, row0 + n))
+        return chunks
+
+    def _graph_step(self, meta, num_rows: int) -> bool:
+        """Whether a step is a pure decode the decode graphs hold (every row sampled, batch and table fit)."""
+        m = meta[0] if isinstance(meta, list) else meta
+        return (not m.prefills and num_rows == m.num_decode <= self.graphs.max_batch
+                and m.decode_block_tables.shape[1] <= self.graphs.max_blocks)
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         """Run one step; ``Sampled.tokens``: ``{request_id: new tokens}`` for requests that reached a sample point
@@ -141,14 +175,17 @@ class ModelRunner:
         if not out.scheduled:
             return result
         input_ids, positions, meta, rows, sampled, scored, num_sample_rows, spans = self._prepare(out)
-        m = meta[0] if isinstance(meta, list) else meta
-        if (self.graphs is not None and not m.prefills and not scored and not keep_hidden
-                and len(rows) == m.num_decode <= self.graphs.max_batch
-                and m.decode_block_tables.shape[1] <= self.graphs.max_blocks):
+        if self.kv_cache is None:   # per-sequence states: meta is the step's V4Chunks
+            logits = self.model.forward(input_ids, positions, meta, rows)  # [S, V]
+            by_state = {id(self.bm.state_of(s.request.request_id)): s.request for s in out.scheduled}
+            for ch in meta:
+                if ch.snapshot is not None:
+                    self.bm.checkpoint(by_state[id(ch.state)], ch.snapshot)
+        elif self.graphs is not None and not scored and not keep_hidden and self._graph_step(meta, len(rows)):
             # pure decode (drafts being verified included): every row's logits, in row order
             metas = meta if isinstance(meta, list) else [meta]
             logits = self.graphs.run(input_ids, positions, [g.slot_mapping for g in metas],
-                                     [g.decode_block_tables for g in metas], m.decode_context_lens)
+                                     [g.decode_block_tables for g in metas], metas[0].decode_context_lens)
         else:
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, rows)  # [S, V]
         if keep_hidden:

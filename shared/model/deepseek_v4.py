@@ -199,10 +199,14 @@ class _Layer:
 
 @dataclass(frozen=True, slots=True)
 class V4Chunk:
-    """Rows ``[start, end)`` of a forward batch: the next tokens of the sequence whose state is ``state``."""
+    """Rows ``[start, end)`` of a forward batch: the next tokens of the sequence whose state is ``state``. One
+    sequence may have several consecutive chunks in a batch (the state advances through them in order: the same
+    result as one chunk). ``snapshot``, an empty ``V4SequenceState``, receives the state as it stands right after
+    this chunk (``V4SequenceState.snapshot``): a prefix-cache entry at a block boundary inside a longer step."""
     state: V4SequenceState
     start: int
     end: int
+    snapshot: V4SequenceState | None = None
 
 
 class DeepseekV4Model:
@@ -408,6 +412,8 @@ class DeepseekV4Model:
                 else:
                     seen = torch.arange(entries.shape[0], device=x.device)[None] < ((pos + 1) // comp.ratio)[:, None]
                 keys, mask = torch.cat([keys, entries]), torch.cat([mask, seen], dim=1)
+            if ch.snapshot is not None:
+                ch.snapshot.layers.append(st.detached())
             logits = torch.einsum("thd,kd->htk", q[a:b], keys) * hd ** -0.5  # [H, n, K]
             logits = logits.masked_fill(~mask[None], float("-inf"))
             sinks = layer.sinks.to(logits.dtype).view(heads, 1, 1).expand(heads, b - a, 1)
@@ -425,10 +431,13 @@ class DeepseekV4Model:
                 chunks: list[V4Chunk], logits_indices: torch.Tensor) -> torch.Tensor:  # [S] → [S, V]
         """One step over ``chunks`` (each sequence's next tokens, contiguous rows, positions from its state's
         ``num_tokens``); the states advance past them."""
+        covered: dict[int, int] = {}   # id(state) -> tokens it covers once the chunks before this one ran
         for ch in chunks:
-            if int(positions[ch.start]) != ch.state.num_tokens:
+            expected = covered.get(id(ch.state), ch.state.num_tokens)
+            if int(positions[ch.start]) != expected:
                 raise ValueError(f"a chunk starts at position {int(positions[ch.start])}, its state covers "
-                                 f"{ch.state.num_tokens} tokens")
+                                 f"{expected} tokens")
+            covered[id(ch.state)] = expected + ch.end - ch.start
         eps, n = self.config.rms_norm_eps, self.config.v4.hc_mult
         streams = F.embedding(input_ids, self.embed).unsqueeze(1).expand(-1, n, -1).contiguous()  # [T, n, hidden]
         for i, layer in enumerate(self.layers):
@@ -442,6 +451,8 @@ class DeepseekV4Model:
                 torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
         for ch in chunks:
             ch.state.num_tokens += ch.end - ch.start
+            if ch.snapshot is not None:
+                ch.snapshot.num_tokens = ch.state.num_tokens
         picked = streams[logits_indices]  # [S, n, hidden]
         flat = _unweighted_norm(picked.flatten(1).float(), eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head.fn) * self.hc_head.scale + self.hc_head.base) + \

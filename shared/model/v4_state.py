@@ -43,11 +43,24 @@ class CompressorState:
                    torch.zeros(0, width, dtype=dtype, device=device))
 
 
+    def detached(self) -> CompressorState:
+        """This state with its pending part in tensors of its own (entries and overlap already are)."""
+        return CompressorState(self.entries, self.pending_kv.clone(), self.pending_gate.clone(), self.overlap_kv,
+                               self.overlap_gate)
+
+
 @dataclass(slots=True)
 class LayerState:
     window: torch.Tensor  # [w <= sliding_window - 1, head_dim]
     compressor: CompressorState | None = None  # CSA / HCA layers
     indexer: CompressorState | None = None  # CSA layers
+
+    def detached(self) -> LayerState:
+        """A copy that later steps of this sequence never change and that holds no more memory than it counts
+        (``V4SequenceState.nbytes``): the model replaces state tensors and never writes into them, so only the
+        window and pending rows, views into a step's larger tensors, are copied."""
+        return LayerState(self.window.clone(), self.compressor and self.compressor.detached(),
+                          self.indexer and self.indexer.detached())
 
 
 @dataclass(slots=True)
@@ -55,6 +68,17 @@ class V4SequenceState:
     """One sequence's state across every layer (see the module docstring); ``num_tokens`` tokens covered."""
     layers: list[LayerState] = field(default_factory=list)
     num_tokens: int = 0
+
+    def snapshot(self) -> V4SequenceState:
+        """The state as it stands (``LayerState.detached`` per layer): a prefix-cache entry, and the start of any
+        sequence that continues from it (``restored``)."""
+        return V4SequenceState([layer.detached() for layer in self.layers], self.num_tokens)
+
+    def restored(self) -> V4SequenceState:
+        """A new sequence's state continuing from this snapshot (which stays as it is)."""
+        return V4SequenceState([LayerState(layer.window, layer.compressor and layer.compressor.detached(),
+                                           layer.indexer and layer.indexer.detached()) for layer in self.layers],
+                               self.num_tokens)
 
     def nbytes(self) -> int:
         """Bytes the state holds now (window rows, entries, pending and overlap parts)."""

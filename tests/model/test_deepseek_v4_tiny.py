@@ -7,9 +7,6 @@ chunks — across group and window boundaries, token by token, beside another se
 import pytest
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.errors import DeepinferError
 from shared.model.deepseek_v4 import DeepseekV4Model, V4Chunk
 from shared.model.loader import build_model, load_model_files
 from shared.model.v4_state import context_bytes
@@ -130,8 +127,3 @@ def test_greedy_decode_equals_transformers_generate(loaded, hf_model):
         tokens.append(int(logits[0].argmax()))
         feed = tokens[-1:]
     assert tokens == ref
-
-
-def test_the_engine_refuses_v4_until_it_has_pools_for_it(loaded):
-    with pytest.raises(DeepinferError, match="DeepSeek V4"):
-        LLMEngine(model_of(loaded), EngineConfig(block_size=16, num_kv_blocks=16), loaded[2])

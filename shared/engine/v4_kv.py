@@ -1,0 +1,293 @@
+"""DeepSeek V4's KV in the engine: one state per sequence (``shared/model/v4_state.py``), budgeted in logical blocks.
+
+A V4 layer keeps no per-token KV beyond its sliding window: its state is the window's rows, the compressed
+entries (one per ``csa_ratio`` / ``hca_ratio`` tokens, the indexer's keys beside CSA's) and each compressor's
+pending partial group. The model grows that state step by step itself (it replaces state tensors, never writes
+into them), so this manager holds no pools: it owns the states, accounts their bytes and keeps the prefix cache.
+
+Budget, in logical blocks of ``block_size`` tokens (the unit routers compare with a prompt's length): one block
+is ``block_bytes``, the compressed entries ``block_size`` tokens add (``entry_bytes_per_token``); a sequence of
+``n`` tokens holds ``ceil(n / block_size) + fixed_blocks``, ``fixed_blocks`` covering the parts whose size does
+not grow with the context (a full window, the pending and overlap rows); a snapshot holds
+``ceil(nbytes / block_bytes)``. ``num_free_blocks = num_blocks - held - snapshots``; snapshots are evicted, least
+recently used first, before ``allocate_slots`` answers ``None``.
+
+Prefix cache: a snapshot is a sequence's state at a block boundary ``k * block_size`` (the model takes it inside
+a step: ``V4Chunk.snapshot``), keyed by the boundary block's hash and confirmed by its full key (the chained
+digest covers every earlier token, the fingerprint and the cache salt: ``shared/kv/block_hash.py``), so a hit is
+compared on tokens as every hit is. A hit continues from a copy (``V4SequenceState.restored``): greedy output
+after a hit equals the miss's, at boundaries inside and outside a compression group. Snapshots within the prompt
+are published when taken; a request's newest snapshot past its prompt (decoding) is published when it frees
+(finished or preempted: a preempted request recomputes from it). KV events announce every block hash a snapshot's
+prefix covers (the router's index matches leading blocks); a hit needs a snapshot exactly at its boundary.
+
+Not yet: hand-off, tier and migration payloads (``accepts`` is False: a V4 request is computed where it runs),
+and rolling a state back (``trim`` refuses: speculative decoding on V4 is refused by the engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+from shared.engine.block_manager import BlockKey, block_key
+from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
+from shared.engine.request import Request
+from shared.errors import DeepinferError, ErrorCode
+from shared.model.config import ModelConfig
+from shared.model.v4_state import V4SequenceState
+
+
+@dataclasses.dataclass(slots=True)
+class Snapshot:
+    state: V4SequenceState   # num_tokens == num_blocks * block_size
+    key: BlockKey            # the boundary block's full key
+    hashes: list[int]        # the block hashes of the prefix it covers (announced in KV events)
+    blocks: int              # budget blocks it holds
+
+
+class V4Hit:
+    """``get_computed_blocks``'s hit: ``len`` is the blocks it covers."""
+    __slots__ = ("snapshot",)
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def __len__(self) -> int:
+        return len(self.snapshot.hashes)
+
+
+def entry_bytes_per_token(config: ModelConfig, element_bytes: int) -> float:
+    """Bytes the compressed entries of one more token of context add, averaged over a group (every layer)."""
+    v4, hd = config.v4, config.head_dim
+    numbers = 0.0
+    for kind in v4.layer_types:
+        if kind == "compressed_sparse_attention":
+            numbers += (hd + v4.index_head_dim) / v4.csa_ratio
+        elif kind == "heavily_compressed_attention":
+            numbers += hd / v4.hca_ratio
+    return numbers * element_bytes
+
+
+def fixed_bytes(config: ModelConfig, element_bytes: int) -> int:
+    """The most bytes a state holds beyond its entries (every layer): a full window, the largest pending group
+    (kv + gate rows) and CSA's overlap series (kv + gate)."""
+    v4, hd = config.v4, config.head_dim
+
+    def compressor(d: int, ratio: int, overlap: bool) -> int:
+        width = 2 * d if overlap else d
+        return 2 * (ratio - 1) * width + (2 * ratio * d if overlap else 0)
+
+    numbers = 0
+    for kind in v4.layer_types:
+        numbers += (v4.sliding_window - 1) * hd
+        if kind == "compressed_sparse_attention":
+            numbers += compressor(hd, v4.csa_ratio, True) + compressor(v4.index_head_dim, v4.csa_ratio, True)
+        elif kind == "heavily_compressed_attention":
+            numbers += compressor(hd, v4.hca_ratio, False)
+    return numbers * element_bytes
+
+
+class V4StateManager(KVManager):
+    """See the module docstring. ``new_state()`` makes an empty sequence state (the model's)."""
+
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int, fixed_blocks: int,
+                 enable_caching: bool, new_state: Callable[[], V4SequenceState]) -> None:
+        if num_blocks <= 0 or block_size <= 0 or block_bytes <= 0:
+            raise ValueError("num_blocks, block_size and block_bytes must be positive")
+        self._num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
+        self.fixed_blocks, self.enable_caching, self.new_state = fixed_blocks, enable_caching, new_state
+        self.states: dict[str, V4SequenceState] = {}
+        self.held: dict[str, int] = {}           # request id -> budget blocks it holds
+        self.newest: dict[str, Snapshot] = {}    # request id -> its newest snapshot past its prompt (unpublished)
+        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()   # boundary block hash -> snapshot, LRU first
+        self.snapshot_blocks = 0
+        self._announced: dict[int, list[int]] = {}   # block hash -> [block index, snapshots covering it]
+        self.event_sink: EventSink | None = None
+        self.num_query_tokens = self.num_hit_tokens = 0
+
+    # -- sizes -------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_blocks - sum(self.held.values()) - self.snapshot_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self._num_blocks
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        return []   # no paged pools: the model keeps each sequence's state
+
+    def pools(self) -> list[tuple[str, int, int]]:
+        return [("v4_state", self._num_blocks, self.num_free_blocks)]
+
+    @property
+    def cached(self) -> dict[int, int]:
+        return {h: index for h, (index, _) in self._announced.items()}
+
+    def state_of(self, request_id: str) -> V4SequenceState:
+        """The state of a request that holds room (``allocate_slots``)."""
+        return self.states[request_id]
+
+    # -- the scheduler's verbs ---------------------------------------------------------------------
+    def _lookup(self, request: Request) -> Snapshot | None:
+        if not self.enable_caching:
+            return None
+        for k in range(min((request.num_tokens - 1) // self.block_size, len(request.block_hashes)), 0, -1):
+            snap = self.snapshots.get(request.block_hashes[k - 1])
+            if snap is not None and snap.key == block_key(request, k - 1):
+                return snap
+        return None
+
+    def get_computed_blocks(self, request: Request, q0: int | None = None) -> tuple[V4Hit | list, int]:
+        snap = self._lookup(request)
+        if self.enable_caching:
+            self.num_query_tokens += request.num_tokens
+        if snap is None:
+            return [], 0
+        self.num_hit_tokens += snap.state.num_tokens
+        return V4Hit(snap), snap.state.num_tokens
+
+    def _need(self, request_id: str, total: int) -> int:
+        return max(0, -(-total // self.block_size) + self.fixed_blocks - self.held.get(request_id, 0))
+
+    def _make_room(self, need: int) -> bool:
+        while need > self.num_free_blocks and self.snapshots:
+            self._evict(next(iter(self.snapshots)))
+        return need <= self.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hits=(), q0: int | None = None):
+        rid = request.request_id
+        start = hits.snapshot.state.num_tokens if isinstance(hits, V4Hit) else request.num_computed_tokens
+        before = self.held.get(rid, 0)
+        need = self._need(rid, start + num_new_tokens)
+        if not self._make_room(need):
+            return None
+        if rid not in self.states:
+            if isinstance(hits, V4Hit):
+                snap = hits.snapshot
+                self.states[rid] = snap.state.restored()
+                if self.snapshots.get(snap.hashes[-1]) is snap:   # not evicted for this very room
+                    self.snapshots.move_to_end(snap.hashes[-1])
+            else:
+                self.states[rid] = self.new_state()
+        self.held[rid] = before + need
+        return list(range(before, before + need))
+
+    def has_room(self, request: Request, total: int) -> bool:
+        return self._need(request.request_id, total) <= self.num_free_blocks + self.snapshot_blocks
+
+    def free(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+        self.states.pop(request_id, None)
+        snap = self.newest.pop(request_id, None)
+        if snap is not None:
+            self._publish(snap)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        state = self.states.get(request_id)
+        if state is not None and num_tokens < state.num_tokens:
+            raise DeepinferError(ErrorCode.INTERNAL, "a DeepSeek V4 state cannot be rolled back to fewer tokens")
+        if request_id in self.held:
+            self.held[request_id] = min(self.held[request_id], -(-num_tokens // self.block_size) + self.fixed_blocks)
+
+    def publish_computed(self, request: Request, num_tokens: int) -> None:
+        """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def checkpoint(self, request: Request, state: V4SequenceState) -> None:
+        """Keep ``state``, the request's state at a block boundary (a ``V4SequenceState.snapshot``): published
+        now within the prompt, else kept as the request's newest and published when it frees."""
+        if not self.enable_caching or state.num_tokens % self.block_size or not state.num_tokens:
+            return
+        k = state.num_tokens // self.block_size
+        if len(request.block_hashes) < k:
+            return
+        snap = Snapshot(state, block_key(request, k - 1), list(request.block_hashes[:k]),
+                        -(-state.nbytes() // self.block_bytes))
+        if state.num_tokens <= request.num_prompt_tokens:
+            self._publish(snap)
+        else:
+            self.newest[request.request_id] = snap
+
+    def _publish(self, snap: Snapshot) -> None:
+        h = snap.hashes[-1]
+        if h in self.snapshots:   # the same boundary (or a colliding key: the older one stays)
+            self.snapshots.move_to_end(h)
+            return
+        if not self._make_room(snap.blocks):
+            return
+        self.snapshots[h] = snap
+        self.snapshot_blocks += snap.blocks
+        stored = []
+        for index, bh in enumerate(snap.hashes):
+            entry = self._announced.setdefault(bh, [index, 0])
+            entry[1] += 1
+            if entry[1] == 1:
+                stored.append(bh)
+        if stored and self.event_sink is not None:
+            self.event_sink("stored", stored)
+
+    def _evict(self, h: int) -> None:
+        snap = self.snapshots.pop(h)
+        self.snapshot_blocks -= snap.blocks
+        removed = []
+        for bh in snap.hashes:
+            entry = self._announced[bh]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._announced[bh]
+                removed.append(bh)
+        if removed and self.event_sink is not None:
+            self.event_sink("removed", removed)
+
+    # -- tables and the prefix cache ---------------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(range(max(0, self.held.get(request_id, 0) - self.fixed_blocks)))
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return []
+
+    def group_block_ids(self, request_id: str, ids: list[int], next_query: int | None = None) -> list[list[int]]:
+        return []
+
+    def cached_prefix(self, request: Request) -> int:
+        snap = self._lookup(request)
+        return 0 if snap is None else len(snap.hashes)
+
+    def import_cached(self, request: Request, first: int, count: int, has_window: list[bool]) -> ImportedBlocks:
+        raise DeepinferError(ErrorCode.INVALID_REQUEST, "DeepSeek V4 KV does not travel between engines yet: "
+                             "the request is computed where it runs")
+
+    def accepts(self, has_window: list[bool] | None) -> bool:
+        return False
+
+    def refuse(self, total: int) -> str | None:
+        need = -(-total // self.block_size) + self.fixed_blocks
+        if need > self._num_blocks:
+            return (f"need {need} blocks of DeepSeek V4 state ({self.fixed_blocks} for its window and pending rows); "
+                    f"the budget holds {self._num_blocks}")
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        self.newest.clear()
+        while self.snapshots:
+            self._evict(next(iter(self.snapshots)))
+        if self.event_sink is not None:
+            self.event_sink("cleared", [])
+
+
+def build_v4_manager(config: ModelConfig, element_bytes: int, block_size: int, kv_cache_bytes: int,
+                     num_kv_blocks: int | None, enable_caching: bool,
+                     new_state: Callable[[], V4SequenceState]) -> V4StateManager:
+    """The budget in blocks: ``num_kv_blocks``, or as many as ``kv_cache_bytes`` holds."""
+    block_bytes = max(1, math.ceil(block_size * entry_bytes_per_token(config, element_bytes)))
+    fixed = -(-fixed_bytes(config, element_bytes) // block_bytes)
+    num_blocks = num_kv_blocks or max(1, kv_cache_bytes // block_bytes)
+    return V4StateManager(num_blocks, block_size, block_bytes, fixed, enable_caching, new_state)

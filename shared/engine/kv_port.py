@@ -95,13 +95,23 @@ class KVPort:
         return kv_cache.block_shape(self._kv)
 
     @property
+    def travels(self) -> bool:
+        """Whether this layout's KV can cross the engine at all: not per-sequence states (DeepSeek V4,
+        ``shared/engine/v4_kv.py``), whose requests are computed where they run."""
+        return self._kv is not None
+
+    @property
     def block_bytes(self) -> int:
+        """Bytes of one logical block (a state layout's budget block when KV does not travel)."""
+        if not self.travels:
+            return self._bm.block_bytes
         return int(torch.Size(self.block_shape).numel()) * self.kv_cache.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
         """The cache dtype as the wire names it (torch's name without ``torch.``)."""
-        return str(self.kv_cache.dtype).removeprefix("torch.")
+        dtype = self.kv_cache.dtype if self.travels else self.engine.model.dtype
+        return str(dtype).removeprefix("torch.")
 
     @property
     def stages_in_place(self) -> bool:

@@ -60,6 +60,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="per million cached input tokens (accounting.Prices; the JSON's accounting ledger)")
     p.add_argument("--price-uncached", type=float, default=1.0, help="per million uncached input tokens")
     p.add_argument("--price-output", type=float, default=0.0, help="per million output tokens")
+    p.add_argument("--currency-per-usd", type=float, default=1.0,
+                   help="units of the prices' currency per US dollar (e.g. 7.2 for prices in yuan; default 1)")
+    p.add_argument("--gpu-hour-price", type=float, default=2.0,
+                   help="rent of one GPU for an hour in dollars (default 2, the seed's H800 figure): revenue, "
+                   "rent and margin per GPU-hour in the JSON's economics")
+    p.add_argument("--what-if", default=None, metavar="SPEC",
+                   help="a grid of runs of the first policy, e.g. 'tier=0,0.1,0.5;retention=7d,3d,1d;pd=0:8,2:6' "
+                   "(tier: SSD capacity as a fraction of the distinct blocks; retention: the ttl of every request; "
+                   "pd: prefill:decode workers, 0:D aggregated): hit rate, GPU-hours and money per cell "
+                   "(simulator/what_if.py); --plot then draws revenue and hit rate against the tier's size")
     elastic = p.add_argument_group("elastic cluster", "disaggregated only (--prefill > 0): the router's own "
                                    "live-migration policy and P:D planner, run every --tick simulated seconds")
     elastic.add_argument("--migrate", action="store_true", help="live-migrate decode streams (drain, KV, skew)")
@@ -118,8 +128,10 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     from shared.errors import DeepinferError
     from shared.retention import RetentionPolicy
     from services.router.policy.policies import POLICIES
+    from simulator.economics import Economics
     from simulator.simulate import (MigrationConfig, PlannerConfig, distinct_blocks, format_table, json_line,
                                         plot_ttft_cdf, simulate)
+    from simulator.what_if import parse_grid
 
     names = list(POLICIES) if args.policy == "all" else [n.strip() for n in args.policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
@@ -158,6 +170,9 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     try:
         retention_policy = RetentionPolicy.from_spec(args.retention_spec) if args.retention_spec else None
         prices = Prices(args.price_cached, args.price_uncached, args.price_output)
+        economics = Economics(args.gpu_hour_price, args.currency_per_usd)
+        own_ttl = f"{(retention_policy or RetentionPolicy()).ttl(args.retention):g}s"   # the run's own class
+        cells = parse_grid(args.what_if, args.tier_frac or 0.0, own_ttl, prefill, workers) if args.what_if else None
         if min(dram, ssd) < 0:
             raise ValueError(f"tier capacities must be >= 0 blocks, got dram={dram} ssd={ssd}")
         if args.tick <= 0 or args.startup < 0:
@@ -172,7 +187,9 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
                   retention_policy=retention_policy, tick_s=args.tick, startup_s=args.startup,
                   migration=MigrationConfig() if args.migrate else None,
                   planner=PlannerConfig(ttft_slo_s=args.ttft_slo or 2.0, tpot_slo_s=args.tpot_slo or 0.1)
-                  if args.planner else None)
+                  if args.planner else None, economics=economics)
+    if cells is not None:
+        return _run_what_if(args, emit, trace, cells, names[0], common)
     results = []
     for name in names:
         t0 = time.perf_counter()
@@ -190,6 +207,34 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     if args.plot:
         try:
             plot_ttft_cdf(results, args.plot)
+        except RuntimeError as err:
+            emit(f"deepinfer simulate: {err}", file=sys.stderr)
+            return 2
+        emit(f"wrote {args.plot}")
+    return 0
+
+
+def _run_what_if(args: argparse.Namespace, emit: Callable[..., None], trace: list, cells: list, policy: str,
+                 common: dict) -> int:
+    """``--what-if``: one run of ``policy`` per cell; JSON lines, the table, the optional plot."""
+    import json
+
+    from simulator.what_if import format_what_if, plot_what_if, what_if
+
+    knobs = {k: v for k, v in common.items() if k not in ("num_workers", "prefill_workers", "retention",
+                                                           "retention_policy")}
+    t0 = time.perf_counter()
+    rows = what_if(trace, cells, policy, args.profile, **knobs)
+    for row in rows:
+        emit(json.dumps({"what_if": row, "policy": policy, "profile": args.profile}, sort_keys=True), flush=True)
+    emit(f"# what-if: {len(rows)} runs of {policy} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if not args.json:
+        emit(f"what-if: policy={policy} profile={args.profile} requests={len(trace)} "
+             f"kv_blocks/worker={common['kv_capacity_blocks']} GPU-hour ${args.gpu_hour_price:g}")
+        emit(format_what_if(rows))
+    if args.plot:
+        try:
+            plot_what_if(rows, args.plot)
         except RuntimeError as err:
             emit(f"deepinfer simulate: {err}", file=sys.stderr)
             return 2

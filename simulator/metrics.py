@@ -123,10 +123,16 @@ def format_table(results: list[dict]) -> str:
             f"speed={r0['speed']} requests={r0['requests']} ideal_hit={r0['ideal_hit_rate']:.3f}")
     columns = [c for c in TABLE_COLUMNS if c[1] != "hit_rate_no_tier"
                or any(r.get("hit_rate_no_tier") is not None for r in results)]
+    return "\n".join([head, column_table(results, columns)])
+
+
+def column_table(results: list[dict], columns) -> str:
+    """``results`` as aligned text: one row per dict, ``columns`` of ``(title, key, format)`` (None prints "-");
+    the first column left-aligned, the others right-aligned, a rule under the titles."""
     rows = [[name for name, _, _ in columns]]
     rows += [[_fmt(fmt, r.get(key)) for _, key, fmt in columns] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = [head]
+    lines = []
     for j, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:

@@ -22,6 +22,7 @@ from services.router.policy.migration_policy import MigrationConfig
 from services.router.policy.pd_planner import PlannerConfig
 from services.router.policy.policies import make_policy
 from services.router.policy.profiles import Profile, get_profile
+from simulator.economics import Economics
 from simulator.elastic import Elastic
 from simulator.core import Simulation
 from simulator.metrics import (account, distinct_blocks, format_table, ideal_hit_rate, json_line,
@@ -46,7 +47,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
              prices: Prices | None = None, tier_dram_blocks: int = 0, tier_ssd_blocks: int = 0,
              retention: str = "chat", retention_policy: RetentionPolicy | None = None,
              migration: MigrationConfig | None = None, planner: PlannerConfig | None = None, tick_s: float = 1.0,
-             startup_s: float = 30.0, timings: dict | None = None) -> dict:
+             startup_s: float = 30.0, timings: dict | None = None, economics: Economics | None = None) -> dict:
     """Replay ``trace`` (already loaded; ``speed`` is recorded, apply it in ``load_trace``) and return metrics.
 
     ``num_workers`` aggregated workers, or with ``prefill_workers`` > 0: that many prefill workers plus
@@ -54,7 +55,9 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     trace's distinct blocks spread over the workers. The cache tier holds ``tier_dram_blocks`` in DRAM and
     ``tier_ssd_blocks`` on SSD (both 0: no tier); ``cache_tier_blocks`` is the older name of a DRAM-only tier
     (same as ``tier_dram_blocks``). Every request has retention class ``retention`` of ``retention_policy``
-    (default: chat 7 d, agent 3 d, none 0) and tenant ``default`` in the ``accounting`` ledger.
+    (default: chat 7 d, agent 3 d, none 0) and tenant ``default`` in the ``accounting`` ledger; ``economics``
+    (default ``Economics()``: $2 per GPU-hour, prices in dollars) turns the ledger and the GPU-hours into revenue,
+    rent and margin (``res["economics"]``, ``simulator/economics.py``).
 
     Elastic (disaggregated only, else ``ValueError``): ``migration`` runs live migration and ``planner`` the P:D
     planner every ``tick_s`` simulated seconds; a worker the planner adds joins ``startup_s`` after the
@@ -107,6 +110,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
         "gpu_hours": round(gpu_hours, 6), "revenue": round(revenue, 6),
         "revenue_per_gpu_hour": round(revenue / gpu_hours, 6) if gpu_hours else 0.0,
         "accounting": ledger.as_dict(),
+        "economics": (economics or Economics()).summary(ledger.total, ledger.prices, gpu_hours),
     })
     if elastic is not None:
         res["tick_s"], res["startup_s"] = tick_s, startup_s

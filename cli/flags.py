@@ -86,6 +86,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-kv-format", default="", choices=["", "fp8", "int8"],
                         help="KV blocks to and from the cache tier compressed: fp8 (e4m3) or int8 with a scale per "
                              "layer row, K/V half and head (default: the model's dtype)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="the engines' waiting order and preemption: fcfs, or priority (a request's "
+                             "`priority`, lower first, then arrival; a higher class preempts a lower one's KV)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")
     parser.add_argument("--local-prefill-threshold", type=int, default=64)
     parser.add_argument("--policy", default="predictive",
@@ -118,6 +121,7 @@ def cluster_flag_values(args: argparse.Namespace) -> dict:
                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
                 reasoning_parser=args.reasoning_parser, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                 swa_kv_context=args.swa_kv_context, tier_kv_format=args.tier_kv_format,
+                scheduling_policy=args.scheduling_policy,
                 local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                 ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                 cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,

@@ -160,6 +160,7 @@ class Cluster:
         self._spawn(name, module, [*self._common_args(name), *(["--role", role] if s.switchable else []),
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--swa-kv-context", str(s.swa_kv_context),
+                                               "--scheduling-policy", s.scheduling_policy,
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),
                                                *(["--model", s.model] if s.model else [])], threads, user)

@@ -102,6 +102,7 @@ class GenerateRequest(WireModel):
     transport: str = ""             # force a KV transport; "" = router chooses
     retention: str = ""             # cache retention class; "" = by API (messages: chat, else the prompt class)
     speculative: bool | None = None  # speculative decoding on/off for this request; None = deployment default
+    priority: int = 0               # lower runs first on workers scheduling by priority (vLLM's field)
     # resuming a stream whose router died (shared/client.py): the tokens the client already has, and the seq its
     # next chunk must carry; the router continues after them as after a failover
     resume_tokens: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)

@@ -14,6 +14,7 @@ from shared.wire_validation import WireModel, wire_field, wire_message
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
+MAX_PRIORITY = 2**31 - 1
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024            # entries of logit_bias (OpenAI allows 300; vLLM sets no bound)
@@ -81,10 +82,13 @@ class Sampling(WireModel):
     min_tokens: int = 0
     speculative: bool | None = None
     prefill_only: bool = False
+    priority: int = 0  # vLLM's: lower runs first where the engine's scheduling policy is ``priority``
 
     def _check(self) -> None:
         if self.max_tokens <= 0:
             raise invalid(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise invalid(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise invalid(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not 0 <= self.temperature < 1e6:   # NaN fails too

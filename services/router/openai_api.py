@@ -45,7 +45,7 @@ from shared.sampling import MAX_LOGPROBS
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
 _NUMBER = (int, float)
-_EXTRAS = {"retention": str, "speculative": bool, "prefill_mode": str, "top_k": int, "min_tokens": int,
+_EXTRAS = {"retention": str, "speculative": bool, "priority": int, "prefill_mode": str, "top_k": int, "min_tokens": int,
            "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": _NUMBER,
            "min_p": _NUMBER, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
            "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig
-from shared.engine.config import DEFAULT_KV_CACHE_MB
+from shared.engine.config import DEFAULT_KV_CACHE_MB, SCHEDULING_POLICIES
 from shared.kv.kv_codec import FORMATS as KV_FORMATS
 from shared.spec.factory import DEFAULT_DRAFTER
 
@@ -23,6 +23,7 @@ class WorkerConfig(ServiceConfig):
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting and preemption by (priority, arrival)
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
@@ -58,6 +59,9 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.swa_kv_context < 0:
             raise ValueError("swa_kv_context must be >= 0 (0: the engine's default)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.tier_kv_format not in ("", *KV_FORMATS):
             raise ValueError(f"tier_kv_format must be '' or one of {', '.join(KV_FORMATS)}, "
                              f"got {self.tier_kv_format!r}")

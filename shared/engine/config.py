@@ -11,6 +11,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_KV_CACHE_MB = 1024  # the KV pool of an engine, and of every worker and CLI flag that sizes one
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """``num_kv_blocks`` fixes the KV pool size; when ``None`` it is derived from ``kv_cache_bytes``.
@@ -38,6 +41,7 @@ class EngineConfig:
     swa_kv: bool = True
     num_window_kv_blocks: int | None = None
     swa_kv_context: int | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | priority (shared/engine/scheduler.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -55,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.decode_graphs not in ("auto", "off", "eager"):
             raise ValueError(f"decode_graphs must be auto, off or eager, got {self.decode_graphs!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.decode_graph_max_batch <= 0:
             raise ValueError("decode_graph_max_batch must be positive")
 

@@ -41,7 +41,8 @@ class LLMEngine:
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_manager: KVManager = build_kv_manager(model, config, self.max_model_len)  # 1 pool or KV groups
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None
         self.runner = ModelRunner(model, self.block_manager, self.grammars)
         paged = self.runner.kv_cache is not None   # else per-sequence states (DeepSeek V4): no graphs

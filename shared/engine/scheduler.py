@@ -12,11 +12,20 @@ allocations may evict while it waits (sliding-window pools are small), and witho
 When a running request cannot get a block, the most recently admitted running request is preempted: its
 blocks are freed (hashed ones stay cached), ``num_computed_tokens`` returns to 0, and it goes to the front of
 the waiting queue to be recomputed later (its output tokens are kept: recompute reproduces their KV).
+
+Policies (vLLM's): ``fcfs`` as above. ``priority``: ``waiting`` and ``running`` are kept in (``params.priority``,
+arrival) order — lower priority values first, arrival order within one — so the token budget goes to the
+highest class first and the preemption victim is the lowest-priority, latest-arrived running request; a waiting
+request that finds no room preempts running requests of a strictly lower priority (lowest first, taking back
+their budget if they were scheduled this step) until it fits. With every priority equal it schedules exactly as
+``fcfs`` does (``tests/unit/test_priority_scheduling.py``).
 """
 from __future__ import annotations
 
 import logging
 import time
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,15 +59,36 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: KVManager, max_num_batched_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.by_priority = policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._arrivals = itertools.count()
+        self._key: dict[str, tuple[int, int]] = {}   # request id -> (priority, arrival), while queued or running
+
+    def key(self, request: Request) -> tuple[int, int]:
+        """The request's place under the priority policy: (priority, arrival order)."""
+        rid = request.request_id
+        if rid not in self._key:
+            self._key[rid] = (request.params.priority, next(self._arrivals))
+        return self._key[rid]
+
+    def _insert(self, queue, request: Request) -> None:
+        """Put ``request`` in ``queue`` (waiting or running) at its priority place."""
+        keys = [self.key(r) for r in queue]
+        queue.insert(bisect.bisect_right(keys, self.key(request)), request)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.key(request)
+        if self.by_priority:
+            self._insert(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def has_seat(self) -> bool:
         """Whether one more request may run now (``max_num_seqs``)."""
@@ -66,7 +96,11 @@ class Scheduler:
 
     def join_running(self, request: Request) -> None:
         """Put a request whose KV is in place (imported, or reattached) straight into the running batch."""
-        self.running.append(request)
+        if self.by_priority:
+            self._insert(self.running, request)
+        else:
+            self.key(request)
+            self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,6 +113,7 @@ class Scheduler:
             self.waiting.remove(request)
         if free_blocks:
             self.bm.free(request.request_id)
+        self._key.pop(request.request_id, None)
 
     def _preempt(self, victim: Request) -> None:
         self.bm.free(victim.request_id)
@@ -86,7 +121,10 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.stats.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            self._insert(self.waiting, victim)   # before later arrivals of its priority
+        else:
+            self.waiting.appendleft(victim)
         logger.debug("preempted %s (recompute %d tokens)", victim.request_id, victim.num_tokens)
 
     def _fit_spec(self, req: Request, budget: int) -> int:
@@ -132,7 +170,10 @@ class Scheduler:
                                 else self.bm.get_computed_blocks(req))
             num_new = min(req.num_tokens - num_cached, budget)
             if self.bm.allocate_slots(req, num_new, hits) is None:
-                break
+                if not (self.by_priority and self._preempt_for(req, out)):
+                    break
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                continue   # look the hit up again: the victims' freed blocks may have evicted part of it
             self.waiting.popleft()
             req.reimport = None
             req.num_computed_tokens = num_cached
@@ -140,7 +181,21 @@ class Scheduler:
                 req.stats.first_scheduled_time = now
                 req.stats.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.by_priority:
+                self._insert(self.running, req)
+            else:
+                self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
+        """Priority policy: preempt the lowest-priority running request if its priority is strictly lower than
+        ``req``'s (a request scheduled this step leaves the step); False when there is none."""
+        if not self.running or self.key(self.running[-1])[0] <= self.key(req)[0]:
+            return False
+        victim = self.running.pop()
+        out.scheduled = [s for s in out.scheduled if s.request is not victim]
+        self._preempt(victim)
+        out.preempted.append(victim.request_id)
+        return True

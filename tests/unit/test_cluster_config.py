@@ -223,3 +223,24 @@ def test_tier_kv_format_reaches_each_worker(monkeypatch, tmp_path):
     assert "--tier-kv-format" not in spawned[1]
     with pytest.raises(ValueError, match="tier_kv_format"):
         WorkerConfig(tier_kv_format="fp4")
+
+
+def test_scheduling_policy_reaches_each_worker(monkeypatch):
+    """``up --scheduling-policy priority`` (and ``node``): every worker's engine schedules by priority; a bad
+    value is refused by the flag and by the engine config."""
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--scheduling-policy", "priority"]), print)
+    assert spec.scheduling_policy == "priority"
+    assert cli_node.node_spec(node_args(scheduling_policy="priority")).scheduling_policy == "priority"
+    spawned = []
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, name, module, argv, *rest: spawned.append(argv))
+    Cluster(spec).spawn_worker("prefill", 0)
+    at = spawned[0].index("--scheduling-policy")
+    assert load_config(WorkerConfig, spawned[0][at:at + 2]).scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--scheduling-policy", "edf"])
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        WorkerConfig(scheduling_policy="edf")

@@ -15,13 +15,13 @@ def test_completion_body_maps_every_parameter():
     call = parse_call({"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
                        "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
                        "retention": "agent", "speculative": False, "prefill_mode": "local", "top_k": 4,
-                       "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [5]},
+                       "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [5], "priority": -3},
                       chat=False)
     r = call.request
     assert (r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop) == ("hi", 7, 0.0, 0.5, 3, ["END"])
     assert (r.retention, r.speculative, r.prefill_mode, r.top_k, r.ignore_eos, r.min_tokens) == (
         "agent", False, "local", 4, True, 2)
-    assert r.stop_token_ids == [5] and r.cache_salt == ""
+    assert r.stop_token_ids == [5] and r.cache_salt == "" and r.sampling().priority == -3
     assert call.stream and call.include_usage and call.user == "u1" and call.model == "m" and not call.chat
     assert parse_call({"prompt": [1, 2, 3]}, chat=False).request.prompt_token_ids == [1, 2, 3]
     assert parse_call({"prompt": ["one"]}, chat=False).request.prompt == "one"

@@ -195,9 +195,6 @@ class LLMEngine:
     def set_speculator(self, speculator) -> None:
         """Turn speculative decoding on (a ``Speculator``) or off (None); set before stepping starts. A drafter
         that reads the target's hidden states (``observe``: the MTP drafter) has the model keep them."""
-        if speculator is not None and self.runner.kv_cache is None:
-            raise invalid("speculative decoding on DeepSeek V4 needs its states rolled back past rejected drafts, "
-                          "which this engine does not do yet")
         if speculator is not None and speculator.max_model_len is None:
             speculator.max_model_len = self.max_model_len
         self.speculator = speculator

@@ -149,6 +149,10 @@ class ModelRunner:
         for s, (_, start, row0, n) in zip(ordered, spans):
             req = s.request
             state = self.bm.state_of(req.request_id)
+            if req.spec_token_ids:   # a verification: a state after every row, to roll back to
+                marks = [V4SequenceState() for _ in range(n)]
+                chunks += [V4Chunk(state, row0 + j, row0 + j + 1, mark) for j, mark in enumerate(marks)]
+                continue
             boundary = (min(start + n, req.num_prompt_tokens - 1) if start < req.num_prompt_tokens
                         else start + n) // bs * bs
             if not self.bm.enable_caching or boundary <= start:
@@ -180,7 +184,10 @@ class ModelRunner:
             by_state = {id(self.bm.state_of(s.request.request_id)): s.request for s in out.scheduled}
             for ch in meta:
                 if ch.snapshot is not None:
-                    self.bm.checkpoint(by_state[id(ch.state)], ch.snapshot)
+                    req = by_state[id(ch.state)]
+                    if req.spec_token_ids:
+                        self.bm.mark(req.request_id, ch.snapshot)
+                    self.bm.checkpoint(req, ch.snapshot)
         elif self.graphs is not None and not scored and not keep_hidden and self._graph_step(meta, len(rows)):
             # pure decode (drafts being verified included): every row's logits, in row order
             metas = meta if isinstance(meta, list) else [meta]

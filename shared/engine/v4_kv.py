@@ -21,8 +21,11 @@ are published when taken; a request's newest snapshot past its prompt (decoding)
 (finished or preempted: a preempted request recomputes from it). KV events announce every block hash a snapshot's
 prefix covers (the router's index matches leading blocks); a hit needs a snapshot exactly at its boundary.
 
-Not yet: hand-off, tier and migration payloads (``accepts`` is False: a V4 request is computed where it runs),
-and rolling a state back (``trim`` refuses: speculative decoding on V4 is refused by the engine).
+Speculative decoding: a verification's rows run as one-token chunks, each leaving a snapshot
+(``checkpoint``), and ``trim`` puts back the state after the last accepted row: rejected drafts leave nothing in
+the window, entries or pending rows.
+
+Not yet: hand-off, tier and migration payloads (``accepts`` is False: a V4 request is computed where it runs).
 """
 from __future__ import annotations
 
@@ -101,6 +104,8 @@ class V4StateManager(KVManager):
         self.states: dict[str, V4SequenceState] = {}
         self.held: dict[str, int] = {}           # request id -> budget blocks it holds
         self.newest: dict[str, Snapshot] = {}    # request id -> its newest snapshot past its prompt (unpublished)
+        self.marks: dict[str, dict[int, V4SequenceState]] = {}  # this step's verification rows: tokens -> state
+        self.unkeyed: dict[str, V4SequenceState] = {}  # an accepted row's boundary state, keyed at the next step
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()   # boundary block hash -> snapshot, LRU first
         self.snapshot_blocks = 0
         self._announced: dict[int, list[int]] = {}   # block hash -> [block index, snapshots covering it]
@@ -164,6 +169,8 @@ class V4StateManager(KVManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hits=(), q0: int | None = None):
         rid = request.request_id
+        if rid in self.unkeyed:   # its tokens were appended since the verification that reached the boundary
+            self.checkpoint(request, self.unkeyed.pop(rid))
         start = hits.snapshot.state.num_tokens if isinstance(hits, V4Hit) else request.num_computed_tokens
         before = self.held.get(rid, 0)
         need = self._need(rid, start + num_new_tokens)
@@ -185,15 +192,26 @@ class V4StateManager(KVManager):
 
     def free(self, request_id: str) -> None:
         self.held.pop(request_id, None)
+        self.marks.pop(request_id, None)
+        self.unkeyed.pop(request_id, None)
         self.states.pop(request_id, None)
         snap = self.newest.pop(request_id, None)
         if snap is not None:
             self._publish(snap)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
+        """Roll the state back to its first ``num_tokens`` tokens (rejected drafts): to the state the model left
+        after that row of the verification (``checkpoint`` keeps one per verified row)."""
+        marks = self.marks.pop(request_id, {})
+        boundaries = [n for n in marks if n <= num_tokens and n % self.block_size == 0]
+        if boundaries:   # an accepted draft ended a block: cached once its tokens are the request's
+            self.unkeyed[request_id] = marks[max(boundaries)]
         state = self.states.get(request_id)
         if state is not None and num_tokens < state.num_tokens:
-            raise DeepinferError(ErrorCode.INTERNAL, "a DeepSeek V4 state cannot be rolled back to fewer tokens")
+            if num_tokens not in marks:
+                raise DeepinferError(ErrorCode.INTERNAL, f"no DeepSeek V4 state at {num_tokens} tokens to roll "
+                                     f"back to (the state covers {state.num_tokens})")
+            self.states[request_id] = marks[num_tokens].restored()
         if request_id in self.held:
             self.held[request_id] = min(self.held[request_id], -(-num_tokens // self.block_size) + self.fixed_blocks)
 
@@ -201,10 +219,17 @@ class V4StateManager(KVManager):
         """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""
 
     # -- snapshots ---------------------------------------------------------------------------------
+    def mark(self, request_id: str, state: V4SequenceState) -> None:
+        """Keep ``state``, the request's state after one row of this step's verification, to roll back to
+        (``trim``; the marks last until then)."""
+        self.marks.setdefault(request_id, {})[state.num_tokens] = state
+
     def checkpoint(self, request: Request, state: V4SequenceState) -> None:
-        """Keep ``state``, the request's state at a block boundary (a ``V4SequenceState.snapshot``): published
-        now within the prompt, else kept as the request's newest and published when it frees."""
-        if not self.enable_caching or state.num_tokens % self.block_size or not state.num_tokens:
+        """Keep ``state``, a snapshot the model took inside the step at a block boundary, as a prefix-cache entry:
+        published now within the prompt, else kept as the request's newest and published when it frees. Drafted
+        rows (beyond the request's known tokens) are never cached."""
+        if not self.enable_caching or state.num_tokens % self.block_size or not state.num_tokens \
+                or state.num_tokens > request.num_tokens:
             return
         k = state.num_tokens // self.block_size
         if len(request.block_hashes) < k:
@@ -277,6 +302,7 @@ class V4StateManager(KVManager):
 
     def reset_prefix_cache(self) -> None:
         self.newest.clear()
+        self.unkeyed.clear()
         while self.snapshots:
             self._evict(next(iter(self.snapshots)))
         if self.event_sink is not None:

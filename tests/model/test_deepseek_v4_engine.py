@@ -1,14 +1,16 @@
 """DeepSeek V4 served by ``LLMEngine`` (per-sequence states: ``shared/engine/v4_kv.py``) on the tiny random V4
 (window 8, CSA groups of 4, HCA groups of 16): greedy batches equal HF transformers' ``generate``; chunked prefill,
 prefix hits at block boundaries inside and on compression groups (inside the prompt and past it, after a turn),
-and preemption under a small budget all equal the uninterrupted miss token for token; the budget refuses what can
-never fit; KV events announce what a hit can use."""
+preemption under a small budget and speculative verification with rejected drafts (states rolled back) all equal
+the uninterrupted miss token for token; the budget refuses what can never fit; KV events announce what a hit can
+use."""
 import pytest
 import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.speculator import Speculator
+from shared.spec.types import Proposal, TokenFeatures
 from shared.engine.v4_kv import V4StateManager
 from shared.errors import DeepinferError
 from shared.model.loader import build_model, load_model_files
@@ -106,14 +108,53 @@ def test_preempted_equals_uninterrupted(loaded, misses):
     assert got == [misses[70], misses[83], misses[37]]
 
 
+class GreedyOracle:
+    """Fault injection for verification: proposes the true greedy continuation (``answer``, after ``prompt``)
+    with every third drafted token wrong, so steps accept some drafts and reject the rest."""
+    name = "oracle"
+
+    def __init__(self, prompt_len: int, answer: list[int]) -> None:
+        self.prompt_len, self.answer = prompt_len, answer
+
+    def propose(self, sequences, k):
+        out = []
+        for seq in sequences:
+            done = len(seq.token_ids) - self.prompt_len
+            draft = list(self.answer[done:done + k])
+            if len(draft) > 2:
+                draft[2] = (draft[2] + 1) % VOCAB
+            out.append(Proposal(draft, [TokenFeatures(position=i) for i in range(len(draft))]))
+        return out
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_speculative_decoding_rolls_states_back_exactly(loaded, block_size):
+    """Drafts partly right: every rejection puts the state back (window, entries, pending rows) to the last
+    accepted row, so the output equals plain greedy decoding, and the prefix cache keeps no drafted token (the
+    next turn's hit equals its miss)."""
+    ids = prompt(45)
+    want = engine(loaded, enable_prefix_caching=False).generate([ids], GREEDY)[0]
+    eng = engine(loaded, block_size=block_size, num_kv_blocks=4096 // block_size)
+    eng.set_speculator(Speculator(GreedyOracle(len(ids), want)))
+    assert eng.generate([ids], GREEDY)[0] == want
+    c = eng.speculator.counters
+    assert c.steps > 0 and 0 < c.accepted < c.drafted, (c.accepted, c.drafted)
+    eng.set_speculator(None)
+    turn = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = engine(loaded, enable_prefix_caching=False).generate([ids + want], turn)[0]
+    rid = eng.add_request(ids + want, turn)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert [t for o in outs for t in o.new_token_ids] == plain and outs[-1].num_cached_tokens > len(ids)
+
+
 def test_budget_refusals_and_events(loaded):
     eng = engine(loaded, num_kv_blocks=16)
     bm = eng.block_manager
     assert bm.refuse(16 * 16) is not None and bm.refuse(16) is None   # a window + pending rows cost blocks too
     with pytest.raises(DeepinferError, match="V4"):
         eng.add_request(prompt(300), SamplingParams(max_tokens=4))
-    with pytest.raises(DeepinferError, match="DeepSeek V4"):
-        eng.set_speculator(Speculator(None))
     assert not bm.accepts(None)
     eng = engine(loaded)
     bm = eng.block_manager

@@ -103,6 +103,7 @@ class V4StateManager(KVManager):
         self.fixed_blocks, self.enable_caching, self.new_state = fixed_blocks, enable_caching, new_state
         self.states: dict[str, V4SequenceState] = {}
         self.held: dict[str, int] = {}           # request id -> budget blocks it holds
+        self.held_blocks = 0                     # their sum
         self.newest: dict[str, Snapshot] = {}    # request id -> its newest snapshot past its prompt (unpublished)
         self.marks: dict[str, dict[int, V4SequenceState]] = {}  # this step's verification rows: tokens -> state
         self.unkeyed: dict[str, V4SequenceState] = {}  # an accepted row's boundary state, keyed at the next step
@@ -119,7 +120,7 @@ class V4StateManager(KVManager):
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_blocks - sum(self.held.values()) - self.snapshot_blocks
+        return self._num_blocks - self.held_blocks - self.snapshot_blocks
 
     @property
     def usage(self) -> float:
@@ -185,13 +186,14 @@ class V4StateManager(KVManager):
             else:
                 self.states[rid] = self.new_state()
         self.held[rid] = before + need
+        self.held_blocks += need
         return list(range(before, before + need))
 
     def has_room(self, request: Request, total: int) -> bool:
         return self._need(request.request_id, total) <= self.num_free_blocks + self.snapshot_blocks
 
     def free(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
+        self.held_blocks -= self.held.pop(request_id, 0)
         self.marks.pop(request_id, None)
         self.unkeyed.pop(request_id, None)
         self.states.pop(request_id, None)
@@ -213,7 +215,9 @@ class V4StateManager(KVManager):
                                      f"back to (the state covers {state.num_tokens})")
             self.states[request_id] = marks[num_tokens].restored()
         if request_id in self.held:
-            self.held[request_id] = min(self.held[request_id], -(-num_tokens // self.block_size) + self.fixed_blocks)
+            kept = min(self.held[request_id], -(-num_tokens // self.block_size) + self.fixed_blocks)
+            self.held_blocks -= self.held[request_id] - kept
+            self.held[request_id] = kept
 
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""

@@ -204,13 +204,19 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         for res in results:
             if "migrations" in res or "planner" in res:
                 emit(elastic_summary(res))
-    if args.plot:
-        try:
-            plot_ttft_cdf(results, args.plot)
-        except RuntimeError as err:
-            emit(f"deepinfer simulate: {err}", file=sys.stderr)
-            return 2
-        emit(f"wrote {args.plot}")
+    return _plot(plot_ttft_cdf, results, args.plot, emit)
+
+
+def _plot(draw: Callable[[list, str], None], results: list, path: str | None, emit: Callable[..., None]) -> int:
+    """``draw(results, path)`` when ``--plot`` names a file: exit status 0, or 2 without matplotlib."""
+    if not path:
+        return 0
+    try:
+        draw(results, path)
+    except RuntimeError as err:
+        emit(f"deepinfer simulate: {err}", file=sys.stderr)
+        return 2
+    emit(f"wrote {path}")
     return 0
 
 
@@ -232,11 +238,4 @@ def _run_what_if(args: argparse.Namespace, emit: Callable[..., None], trace: lis
         emit(f"what-if: policy={policy} profile={args.profile} requests={len(trace)} "
              f"kv_blocks/worker={common['kv_capacity_blocks']} GPU-hour ${args.gpu_hour_price:g}")
         emit(format_what_if(rows))
-    if args.plot:
-        try:
-            plot_what_if(rows, args.plot)
-        except RuntimeError as err:
-            emit(f"deepinfer simulate: {err}", file=sys.stderr)
-            return 2
-        emit(f"wrote {args.plot}")
-    return 0
+    return _plot(plot_what_if, rows, args.plot, emit)

@@ -144,15 +144,21 @@ def json_line(result: dict) -> str:
     return json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, sort_keys=True)
 
 
-def plot_ttft_cdf(results: list[dict], path: str) -> None:
-    """TTFT CDF per policy (needs matplotlib; the simulator keeps per-request TTFTs under ``_ttfts``)."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or RuntimeError saying how to install the optional plot extra."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as exc:  # the optional plot extra
+    except ImportError as exc:
         raise RuntimeError("plotting needs matplotlib, which is not installed "
                            "(make installs it; else pip install 'deepinfer[plot]')") from exc
+    return plt
+
+
+def plot_ttft_cdf(results: list[dict], path: str) -> None:
+    """TTFT CDF per policy (needs matplotlib; the simulator keeps per-request TTFTs under ``_ttfts``)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         ttfts = np.sort(np.asarray(r.get("_ttfts", []), dtype=np.float64))

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from shared.retention import RetentionPolicy
-from simulator.metrics import column_table, distinct_blocks
+from simulator.metrics import column_table, distinct_blocks, pyplot
 from simulator.simulate import simulate
 
 AXES = ("tier", "retention", "pd")
@@ -103,14 +103,8 @@ def format_what_if(rows: list[dict]) -> str:
 
 
 def plot_what_if(rows: list[dict], path: str) -> None:
-    """Revenue and margin per GPU-hour against the tier's size, one line per (retention, P:D) (matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # the optional plot extra
-        raise RuntimeError("plotting needs matplotlib, which is not installed "
-                           "(make installs it; else pip install 'deepinfer[plot]')") from exc
+    """Revenue per GPU-hour and hit rate against the tier's size, one line per (retention, P:D) (matplotlib)."""
+    plt = pyplot()
     fig, (ax_rev, ax_hit) = plt.subplots(1, 2, figsize=(11, 4.5))
     for key in dict.fromkeys((r["retention"], r["pd"]) for r in rows):
         line = sorted((r["tier"], r["revenue_per_gpu_hour_usd"], r["hit_rate"]) for r in rows

@@ -77,14 +77,16 @@ def test_a_larger_tier_and_a_longer_ttl_never_serve_fewer_hits(trace):
     assert all(r["revenue_per_gpu_hour_usd"] > 0 and r["gpu_hours"] > 0 for r in rows)
 
 
-def test_the_cli_prints_the_grid_and_refuses_a_bad_spec(capsys):
+def test_the_cli_prints_the_grid_and_refuses_a_bad_spec(tmp_path):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     base = ["simulate", "--workload", "agent", "--limit", "80", "--policy", "cache_aware", "--workers", "4"]
     out: list[str] = []
-    code = run(parser.parse_args(base + ["--what-if", "tier=0,0.5;pd=0:4,1:3", "--gpu-hour-price", "3"]),
+    plot = tmp_path / "what_if.png"
+    code = run(parser.parse_args(base + ["--what-if", "tier=0,0.5;pd=0:4,1:3", "--gpu-hour-price", "3",
+                                         "--plot", str(plot)]),
                lambda *a, **k: out.append(" ".join(map(str, a))))
-    assert code == 0
+    assert code == 0 and plot.stat().st_size > 0
     rows = [json.loads(line)["what_if"] for line in out if line.startswith("{")]
     assert [(r["tier"], r["pd"]) for r in rows] == [(0.0, "0:4"), (0.0, "1:3"), (0.5, "0:4"), (0.5, "1:3")]
     assert any("margin $/GPU-h" in line for line in out)

@@ -6,7 +6,9 @@ tenant's backlog sits in front of everyone else's). Beyond the window, requests 
 and a freed slot goes to the waiting request with the smallest start tag (start-time fair queueing): tenant
 ``t``'s next request starts at ``max(now_tag, previous start + 1 / weight[t])``, ``now_tag`` being the start tag
 last dispatched, so every tenant with work waiting gets slots in proportion to its weight, whatever the others
-have queued, and a tenant that arrives while another floods is served next, not after the flood.
+have queued, and a tenant that arrives while another floods is served next, not after the flood. Requests carry
+a ``priority`` (vLLM's integer, lower first): a freed slot goes to the most urgent priority waiting, and among
+those by start tag, so classes come first and tenants share fairly within a class.
 
 Headroom for newcomers: the gate cannot preempt, so once one tenant's long streams fill the window, another
 tenant would wait for one of them to end (seconds to minutes). While two or more tenants have been active within
@@ -55,7 +57,7 @@ class FairGate:
         self._seen: dict[str, float] = {}         # tenant -> when its latest request arrived (monotonic)
         self._finish: dict[str, float] = {}       # tenant -> where its next request's tag starts
         self._now_tag = 0.0                       # start tag of the latest dispatched request
-        self._waiting: list[tuple[float, int, str, asyncio.Future]] = []  # (tag, arrival, tenant, fut)
+        self._waiting: list[tuple[int, float, int, str, asyncio.Future]] = []  # (priority, tag, arrival, tenant, fut)
         self._order = itertools.count()
 
     @property
@@ -89,9 +91,10 @@ class FairGate:
 
     def _pump(self) -> None:
         """Hand free slots to the waiters with the smallest tags that may take them."""
-        waiting = sorted(w for w in self._waiting if not w[3].done())   # drops the cancelled and timed out
+        waiting = sorted((w for w in self._waiting if not w[4].done()),   # drops the cancelled and timed out
+                         key=lambda w: w[:3])
         self._waiting = []
-        for i, (tag, order, tenant, fut) in enumerate(waiting):
+        for i, (priority, tag, order, tenant, fut) in enumerate(waiting):
             window = self.window()
             if window is not None and self.dispatched >= window:
                 self._waiting += waiting[i:]
@@ -100,12 +103,13 @@ class FairGate:
                 self._grant(tenant, tag)
                 fut.set_result(None)
             else:
-                self._waiting.append((tag, order, tenant, fut))            # headroom: a later tenant may fit
+                self._waiting.append((priority, tag, order, tenant, fut))  # headroom: a later tenant may fit
 
     @contextlib.asynccontextmanager
-    async def slot(self, tenant: str, deadline: float):
+    async def slot(self, tenant: str, deadline: float, priority: int = 0):
         """Hold a dispatch slot for ``tenant`` while the block runs; waits for one (at most until ``deadline``,
-        a ``time.monotonic()`` instant like ``Stream.deadline``: then ``timeout``)."""
+        a ``time.monotonic()`` instant like ``Stream.deadline``: then ``timeout``), before every waiter of a
+        larger ``priority`` value."""
         held = self.held.get(tenant, 0)
         if held >= self.tenant_max:
             raise TenantLimit(f"tenant {tenant or '(plain API)'} has {held} requests in flight (limit "
@@ -119,7 +123,7 @@ class FairGate:
                 self._grant(tenant, tag)
                 granted = True
             else:
-                granted = await self._wait(tenant, tag, deadline)
+                granted = await self._wait(tenant, tag, deadline, priority)
             yield
         finally:
             if granted:
@@ -143,9 +147,9 @@ class FairGate:
         for t in [t for t, seen in self._seen.items() if now - seen >= self.recent_s and not self.held.get(t)]:
             del self._seen[t]
 
-    async def _wait(self, tenant: str, tag: float, deadline: float) -> bool:
+    async def _wait(self, tenant: str, tag: float, deadline: float, priority: int) -> bool:
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.append((tag, next(self._order), tenant, fut))
+        self._waiting.append((priority, tag, next(self._order), tenant, fut))
         try:
             while not fut.done():
                 self._pump()

@@ -248,7 +248,7 @@ class RouterService(Service):
             prompt = await self.tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
-            async with self.gate.slot(tenant or "", stream.deadline):
+            async with self.gate.slot(tenant or "", stream.deadline, req.priority):
                 await self.relay.serve(req, prompt, stream)
             self._account(req, stream, tenant)
         except (DeepinferError, asyncio.CancelledError) as exc:

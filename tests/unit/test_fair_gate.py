@@ -17,12 +17,12 @@ class Run:
     def __init__(self, gate: FairGate) -> None:
         self.gate, self.order, self.release, self.tasks = gate, [], {}, []
 
-    def start(self, name: str, tenant: str, deadline_s: float = 60.0) -> asyncio.Task:
+    def start(self, name: str, tenant: str, deadline_s: float = 60.0, priority: int = 0) -> asyncio.Task:
         done = asyncio.Event()
         self.release[name] = done
 
         async def request() -> None:
-            async with self.gate.slot(tenant, time.monotonic() + deadline_s):
+            async with self.gate.slot(tenant, time.monotonic() + deadline_s, priority):
                 self.order.append(name)
                 await done.wait()
         task = asyncio.create_task(request())
@@ -172,3 +172,24 @@ def test_weights_spec():
     for bad in ("acme", "acme=0", "=2", "acme=x", "acme=-1"):
         with pytest.raises(ValueError):
             parse_weights(bad)
+
+
+async def test_a_freed_slot_goes_to_the_most_urgent_priority_then_by_tenant_share():
+    """Window 1: a batch tenant queues a flood (priority 5) before two interactive requests (priority 0) of two
+    tenants arrive; each freed slot goes to the interactive ones first, fair between their tenants, then the
+    batch requests in their own order."""
+    run = Run(FairGate(lambda: 1, tenant_max=16))
+    run.start("first", "batch", priority=5)
+    await run.settle()
+    for i in range(3):
+        run.start(f"batch-{i}", "batch", priority=5)
+    await run.settle()
+    run.start("chat-a", "a", priority=0)
+    run.start("chat-a2", "a", priority=0)
+    run.start("chat-b", "b", priority=0)
+    await run.settle()
+    for name in ["first", "chat-a", "chat-b", "chat-a2", "batch-0", "batch-1"]:
+        run.release[name].set()
+        await run.settle()
+    await run.release_all()
+    assert run.order == ["first", "chat-a", "chat-b", "chat-a2", "batch-0", "batch-1", "batch-2"]

@@ -8,7 +8,9 @@ depth, vs a GQA model of 8 KV heads x 128 at that depth, bf16, at 8K / 77K / 1M 
 Part 2, prefill and decode at a V4-Flash-shaped random checkpoint scaled to fit a CPU (``--hidden``, ``--layers``;
 the layer-type pattern, window, ratios, top-k and experts kept), float32: ``shared/model/deepseek_v4.py`` over its
 per-sequence state vs transformers' ``DeepseekV4ForCausalLM`` with its cache, the same weights; greedy tokens
-compared; a ``--prompt``-token prefill and ``--tokens`` decode steps, one sequence.
+compared; a ``--prompt``-token prefill and ``--tokens`` decode steps, one sequence. Then the same request through
+``LLMEngine`` (its scheduler, chunked prefill, the per-sequence state manager ``shared/engine/v4_kv.py``): cold,
+and again as a prefix hit (the state snapshot before the prompt's last token).
 
     python benchmarks/deepseek_v4.py            # about 2 min on 2 CPU cores
 """
@@ -108,12 +110,34 @@ def speed(args, transformers) -> None:
                 cache = out.past_key_values
         return tokens, prefill, time.perf_counter() - t0
 
+    def run_engine(engine) -> tuple[list[int], float, float, int]:
+        from shared.sampling import SamplingParams
+
+        rid = engine.add_request(ids, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+        tokens, t0, first, cached = [], time.perf_counter(), None, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    tokens += out.new_token_ids
+                    first = first or time.perf_counter()
+                    cached = out.num_cached_tokens if out.finished else cached
+        return tokens, first - t0, time.perf_counter() - first, cached
+
     run_ours(), run_hf()   # warm-up
     (ours_tokens, ours_p, ours_d), (hf_tokens, hf_p, hf_d) = run_ours(), run_hf()
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(ours, EngineConfig(block_size=16, max_num_batched_tokens=512))
+    cold, hit = run_engine(engine), run_engine(engine)
     logger.info("  prefill: deepinfer %.0f tok/s, transformers %.0f tok/s (%.2fx)", args.prompt / ours_p,
                 args.prompt / hf_p, hf_p / ours_p)
     logger.info("  decode:  deepinfer %.1f tok/s, transformers %.1f tok/s (%.2fx); same greedy tokens: %s",
                 (args.tokens - 1) / ours_d, (args.tokens - 1) / hf_d, hf_d / ours_d, ours_tokens == hf_tokens)
+    for name, (tokens, ttft, decode, cached) in (("cold", cold), ("prefix hit", hit)):
+        logger.info("  engine, %s: TTFT %.3f s (%d cached tokens), decode %.1f tok/s; same greedy tokens: %s", name,
+                    ttft, cached, (args.tokens - 1) / decode, tokens == ours_tokens)
+    logger.info("  engine prefix hit vs cold TTFT: %.1fx", cold[1] / hit[1])
 
 
 def main() -> None:

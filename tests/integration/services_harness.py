@@ -46,9 +46,9 @@ class InProcessCluster:
         self.tier = CacheTierService(tier_config(url, tier_dir, **(tier_kw or {}))) if tier_dir else None
         if tier_dir:
             worker_kw.setdefault("cache_tier", TIER_ID)
-        self.router = RouterService(RouterConfig(nats_url=url, model=str(folder), worker_dead_after_s=1.5,
+        self.router = RouterService(RouterConfig(nats_url=url, model=str(folder),
                                                  local_prefill_threshold=local_prefill_threshold, policy=policy,
-                                                 **{"http_port": -1, **(router_kw or {})}))
+                                                 **{"http_port": -1, "worker_dead_after_s": 1.5, **(router_kw or {})}))
         if worker_kw.get("switchable"):
             self.workers = [SwitchableWorker(worker_config(role, url, folder, f"worker-{i}", **worker_kw))
                             for i, role in enumerate(["prefill"] * prefill + ["decode"] * decode)]

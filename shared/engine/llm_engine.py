@@ -164,7 +164,7 @@ class LLMEngine:
         """The KV budget's split: per pool its ``name``, ``blocks``, ``free`` blocks and ``block_bytes``
         (``KVManager.pools``; ``/metrics`` and ``deepinfer status`` show it)."""
         kv = self.runner.kv_cache
-        sizes = kv_cache.pool_block_bytes(kv) if kv is not None else [self.block_manager.block_bytes]
+        sizes = kv_cache.pool_block_bytes(kv) if kv is not None else [self.kv_port.block_bytes]
         return [{"name": name, "blocks": blocks, "free": free, "block_bytes": nbytes}
                 for (name, blocks, free), nbytes in zip(self.block_manager.pools(), sizes)]
 

@@ -41,6 +41,15 @@ def engine(loaded, **kw) -> LLMEngine:
                      EngineConfig(**{"block_size": 16, "num_kv_blocks": 256, **kw}), tokenizer)
 
 
+def served(eng: LLMEngine, ids: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+    """Run one request to its end beside whatever else is queued: (its tokens, its cached prompt tokens)."""
+    rid = eng.add_request(ids, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
+
+
 @pytest.fixture(scope="module")
 def misses(loaded):
     """Each prompt alone, prefix caching off: the reference every other schedule must equal."""
@@ -72,31 +81,22 @@ def test_prefix_hits_inside_and_past_the_prompt_equal_the_miss(loaded, misses, b
     first = eng.generate([prompt(70)], GREEDY)[0]
     assert first == misses[70]
     # the same prompt again: a hit at the last boundary before its last token
-    rid = eng.add_request(prompt(70), GREEDY)
-    outs = []
-    while eng.has_unfinished():
-        outs += [o for o in eng.step() if o.request_id == rid]
-    assert [t for o in outs for t in o.new_token_ids] == misses[70]
-    assert outs[-1].num_cached_tokens == (69 // block_size) * block_size
+    tokens, cached = served(eng, prompt(70), GREEDY)
+    assert tokens == misses[70]
+    assert cached == (69 // block_size) * block_size
     # a longer prompt sharing the first 37 tokens: a hit inside its prompt, at the shared prefix's last boundary
     longer = prompt(37) + prompt(46, salt=5)
     want = engine(loaded, enable_prefix_caching=False).generate([longer], GREEDY)[0]
     eng.generate([prompt(37)], GREEDY)
-    rid = eng.add_request(longer, GREEDY)
-    outs = []
-    while eng.has_unfinished():
-        outs += [o for o in eng.step() if o.request_id == rid]
-    assert [t for o in outs for t in o.new_token_ids] == want
-    assert outs[-1].num_cached_tokens == 37 // block_size * block_size
+    tokens, cached = served(eng, longer, GREEDY)
+    assert tokens == want
+    assert cached == 37 // block_size * block_size
     # the next turn (prompt + the reply + more): a hit past the first prompt, from the state its decode left
     turn = prompt(70) + first + prompt(9, salt=2)
     want = engine(loaded, enable_prefix_caching=False).generate([turn], GREEDY)[0]
-    rid = eng.add_request(turn, GREEDY)
-    outs = []
-    while eng.has_unfinished():
-        outs += [o for o in eng.step() if o.request_id == rid]
-    assert [t for o in outs for t in o.new_token_ids] == want
-    assert outs[-1].num_cached_tokens > 70
+    tokens, cached = served(eng, turn, GREEDY)
+    assert tokens == want
+    assert cached > 70
 
 
 def test_preempted_equals_uninterrupted(loaded, misses):
@@ -142,11 +142,8 @@ def test_speculative_decoding_rolls_states_back_exactly(loaded, block_size):
     eng.set_speculator(None)
     turn = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     plain = engine(loaded, enable_prefix_caching=False).generate([ids + want], turn)[0]
-    rid = eng.add_request(ids + want, turn)
-    outs = []
-    while eng.has_unfinished():
-        outs += [o for o in eng.step() if o.request_id == rid]
-    assert [t for o in outs for t in o.new_token_ids] == plain and outs[-1].num_cached_tokens > len(ids)
+    tokens, cached = served(eng, ids + want, turn)
+    assert tokens == plain and cached > len(ids)
 
 
 def test_budget_refusals_and_events(loaded):

@@ -32,6 +32,7 @@ class RouterConfig(ServiceConfig):
     served_model_name: str = ""  # the model id clients name (/v1/models); "" = from the model file (shared/model/locate.py)
     local_prefill_threshold: int = 64  # prompts up to this many tokens prefill on the decode worker
     worker_dead_after_s: float = 3.0  # no heartbeat for this long = dead
+    worker_wait_s: float = 3.0  # no decode worker alive but some known: a request waits this long for one (a restart, a late heartbeat)
     dispatch_timeout_s: float = 5.0  # a worker must accept a request within this
     stall_probe_s: float = 2.0  # a stream silent this long: ask its workers whether they still hold it
     max_failovers: int = 2  # re-placements of a request whose worker died (prompt + delivered tokens)
@@ -80,7 +81,7 @@ class RouterConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)  # slots=True rebuilds the class: no zero-argument super()
-        if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.max_inflight <= 0
+        if (self.local_prefill_threshold < 0 or self.worker_dead_after_s <= 0 or self.worker_wait_s < 0 or self.max_inflight <= 0
                 or self.block_size <= 0 or self.max_failovers < 0 or self.max_refusals < 0 or self.drain_grace_s < 0
                 or self.ttft_slo_s < 0 or self.stall_probe_s <= 0 or not -1 <= self.http_port <= 65535
                 or self.tenant_max_inflight < 0 or self.dispatch_window < -1

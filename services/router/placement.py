@@ -45,7 +45,7 @@ class Placer:
         failover continuation's) while it has a decode worker, else the serving one. Workers in ``exclude`` (a
         failed attempt's) are avoided while that build has others in their role. ``holders``: ``{worker: prompt
         tokens}`` the router knows a worker holds though its KV events have not said so yet (a sibling choice)."""
-        alive = self.table.alive("decode")
+        alive = self.table.placeable("decode")
         if not alive:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
         build = self.model.choose(alive, fingerprint, request_id)

@@ -112,12 +112,12 @@ class Relay:
     def __init__(self, nc, placer: Placer, table: WorkerTable, dispatch_timeout_s: float,
                  max_failovers: int, stall_probe_s: float = 2.0,
                  on_failover: Callable[[], None] = lambda: None, router: tuple[str, str] = ("", ""),
-                 max_refusals: int = 4) -> None:
+                 max_refusals: int = 4, worker_wait_s: float = 0.0) -> None:
         self.nc, self.placer, self.table = nc, placer, table
         self.router_id, self.router_instance = router  # named in work messages: workers drop work of a dead relay
         self.on_failover = on_failover
         self.dispatch_timeout_s, self.max_failovers, self.max_refusals = dispatch_timeout_s, max_failovers, max_refusals
-        self.stall_probe_s = stall_probe_s
+        self.stall_probe_s, self.worker_wait_s = stall_probe_s, worker_wait_s
         self.live: dict[str, Stream] = {}  # client request id -> its stream, while this router relays it
 
     async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
@@ -170,6 +170,7 @@ class Relay:
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request
         work_id = attempt_id(stream.rid, placement)
+        await self._await_decode_worker(stream)
         prefill_w, decode_w, transport, build = self.placer.place(
             work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
             exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
@@ -207,6 +208,14 @@ class Relay:
             if not finished:  # stop whatever the workers are still doing for this attempt
                 await self.nc.publish(subjects.WORK_CANCEL,
                                       protocol.encode(protocol.CancelRequest(request_id=work_id)))
+
+    async def _await_decode_worker(self, stream: Stream) -> None:
+        """Wait (at most ``worker_wait_s`` and the stream's deadline) while no decode worker is placeable but the
+        table knows one that may come back: a heartbeat late on a loaded host, or a restart, costs the request
+        a delay, not an ``unavailable``. Returns at once when one is placeable or none is known."""
+        until = min(stream.deadline, time.monotonic() + self.worker_wait_s)
+        while not self.table.placeable("decode") and self.table.known("decode") and time.monotonic() < until:
+            await asyncio.sleep(0.05)
 
     def prompt_holder(self, rid: str) -> dict[str, int]:
         """``{decode worker: prompt tokens}`` where stream ``rid`` decodes now (empty when it does not): that worker

@@ -94,7 +94,7 @@ class RouterService(Service):
         self.runtime = ServiceRuntime(self.nc, info, registry_replicas=c.registry_replicas)
         self.relay = Relay(self.nc, self.placer, self.table, c.dispatch_timeout_s, c.max_failovers, c.stall_probe_s,
                            on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance),
-                           max_refusals=c.max_refusals)
+                           max_refusals=c.max_refusals, worker_wait_s=c.worker_wait_s)
         self.migrator = Migrator.for_router(self.nc, self.relay, self.table, c, self.runtime.spawn)
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)

@@ -12,6 +12,10 @@ cut first delivers heartbeats it buffered, then is often dropped as stale and re
 that window is lost (a hand-off then waits out its timeout). A worker seen for the first time takes work at once,
 and so does one that beats within ``dead_after_s`` of a reconnect of the router's own connection
 (``router_reconnected``): after a NATS restart the router missed every heartbeat, and the workers are not to blame.
+When no worker of a role is past that wait, ``placeable`` offers the ones heartbeating now: a recovering worker
+(its heartbeat was late on a loaded host) serves better than a refusal. ``known`` says a role has
+workers that may come back (not yet forgotten): the relay waits a bounded time for them before answering
+``unavailable``.
 """
 from __future__ import annotations
 
@@ -66,6 +70,17 @@ class WorkerTable:
         return [s for s in self.workers.values()
                 if s.report.role == role and not s.report.draining and now - s.last_seen < self.dead_after_s
                 and (not s.rejoined or now - s.since >= self.rejoin_after_s)]
+
+    def placeable(self, role: str, now: float | None = None) -> list[WorkerState]:
+        """``alive(role)``, or when that is empty the workers of ``role`` heartbeating now and not draining
+        (those still inside their rejoin wait)."""
+        now = time.monotonic() if now is None else now
+        return self.alive(role, now) or [s for s in self.workers.values() if s.report.role == role
+                                         and not s.report.draining and now - s.last_seen < self.dead_after_s]
+
+    def known(self, role: str) -> bool:
+        """Whether the table holds a worker of ``role`` that is not draining (alive or silent, not forgotten)."""
+        return any(s.report.role == role and not s.report.draining for s in self.workers.values())
 
     def prune(self, now: float | None = None) -> list[str]:
         """Drop workers silent for longer than ``forget_after_s``; returns their ids."""

@@ -224,3 +224,30 @@ async def test_a_hand_off_that_never_arrives_fails_over_before_the_hand_off_time
         monkeypatch.setattr(prefill.nc, "request", request_or_lose)
         tokens, _, usage = await generate_once(nats_server.url, request(prompt, 20, prefill_mode="remote"))
     assert lost and tokens == expected and usage["failovers"] == 1
+
+
+async def test_a_request_waits_out_a_late_heartbeat_instead_of_failing(nats_server, folder):
+    """The only decode worker's heartbeat is late (fault injection: the router drops its beats and last saw it
+    10 s ago, as on a starved host): a request waits for the worker to beat again and is served exactly; with ``worker_wait_s=0`` it is refused at once
+    (``unavailable``: the rule that failed a CI run). Nothing is placed while no worker beats."""
+    prompt = list(range(9, 40))
+    expected = reference_outputs(folder, [prompt], 6)[0]
+    for wait_s in (5.0, 0.0):
+        async with InProcessCluster(nats_server.url, folder, prefill=0, decode=1,
+                                    router_kw={"worker_wait_s": wait_s}) as cluster:
+            table, update = cluster.router.table, cluster.router.table.update
+            deaf = True
+            table.update = lambda report, now=None: None if deaf else update(report, now)
+            table.workers["decode-0"].last_seen -= 10.0
+            asked = asyncio.create_task(generate_once(nats_server.url, request(prompt, max_tokens=6)))
+            await asyncio.sleep(0.6)
+            if wait_s:
+                assert not asked.done() and not table.workers["decode-0"].inflight
+                deaf = False
+                ids, _, usage = await asyncio.wait_for(asked, 20)
+            else:
+                with pytest.raises(DeepinferError) as ended:
+                    await asked
+            deaf = False
+    assert ids == expected and usage["failovers"] == 0
+    assert ended.value.code == ErrorCode.UNAVAILABLE and "no decode worker is alive" in ended.value.message

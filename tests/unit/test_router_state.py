@@ -229,3 +229,20 @@ def test_before_any_pull_the_tier_cost_scales_with_the_workers_block_bytes():
     assert placer.tier_cost([d2]).block_transfer_s == pytest.approx(1e-3)
     table.update(report("d1", "decode", block_bytes=10_000, tier_block_s=5e-5))
     assert placer.tier_cost([table.workers["d1"]]).block_transfer_s == pytest.approx(5e-5)   # measured wins
+
+
+def test_with_no_worker_past_its_rejoin_wait_a_heartbeating_one_is_placeable():
+    """``alive`` keeps a worker back after a silence (rejoin wait); ``placeable`` offers it when no other worker of
+    its role is alive (a late heartbeat on a loaded host must not refuse every request for 3 s), and only while it
+    beats; ``known`` still names a silent one (the relay waits for it), not a draining one."""
+    table = WorkerTable(dead_after_s=3.0)
+    table.update(report("d0"), now=0.0)
+    table.update(report("d0"), now=5.0)                          # late: a rejoin wait starts
+    assert table.alive("decode", now=5.1) == []
+    assert [s.report.worker_id for s in table.placeable("decode", now=5.1)] == ["d0"]
+    table.update(report("d1"), now=5.1)                          # a steady worker exists: it alone is placeable
+    assert [s.report.worker_id for s in table.placeable("decode", now=5.2)] == ["d1"]
+    assert table.placeable("decode", now=20.0) == [] and table.known("decode")
+    table.update(report("d0", draining=True), now=20.0)
+    table.update(report("d1", draining=True), now=20.0)
+    assert not table.known("decode")

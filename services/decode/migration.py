@@ -108,7 +108,7 @@ class MigrationDesk:
                     return 0  # preempted while copying: the staged bytes may not be its KV
                 msg = protocol.KVPrecopy(request_id=rid, token_ids=tokens, cache_salt=salt,
                                          num_blocks=len(ids), block_shape=eng.kv_port.block_shape,
-                                         dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
+                                         dtype=eng.kv_port.dtype_name,
                                          transport=order.transport, handle=handle, model_fingerprint=eng.fingerprint,
                                          window_mask=mask)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(msg),
@@ -134,7 +134,7 @@ class MigrationDesk:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"pre-copy of {req.num_blocks} blocks over "
                                  f"{req.transport!r} does not fit its header or tokens")
         packed = await transport.fetch(req.handle, timeout=w.config.handoff_timeout_s)   # KVPort.payload_shape
-        kv, has_window = eng.kv_port.unpack(packed.to(eng.kv_port.kv_cache.device), req.num_blocks, req.window_mask)
+        kv, has_window = eng.kv_port.unpack(packed.to(eng.kv_port.device), req.num_blocks, req.window_mask)
         kept = await w.aengine.call(lambda: eng.kv_port.import_tier_blocks(req.token_ids, req.cache_salt, 0, kv, has_window))
         if msg.reply:
             await msg.respond(protocol.encode(protocol.Ack(detail=str(kept))))
@@ -163,7 +163,7 @@ class MigrationDesk:
                     prior_output_ids=moved.output_token_ids[:-1], first_token=moved.output_token_ids[-1],
                     sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt,
                     num_blocks=len(moved.block_ids) - first, block_shape=eng.kv_port.block_shape,
-                    dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."), transport=order.transport, handle=handle,
+                    dtype=eng.kv_port.dtype_name, transport=order.transport, handle=handle,
                     num_cached_tokens=min(extra.get("cached_tokens", moved.num_cached_tokens),
                                           len(moved.prompt_token_ids)),
                     ttft_ms=extra.get("prefill_ms", 0.0), retention=req.retention,

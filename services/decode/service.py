@@ -78,7 +78,7 @@ class DecodeService(Worker):
                 t_fetch = time.perf_counter()
                 kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)   # packed
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
-                kv, has_window = eng.kv_port.unpack(kv.to(eng.kv_port.kv_cache.device), req.num_blocks, req.window_mask)
+                kv, has_window = eng.kv_port.unpack(kv.to(eng.kv_port.device), req.num_blocks, req.window_mask)
                 submit = lambda: eng.kv_port.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
                                                     generator_state=req.generator_state, first_block=req.first_block,

@@ -98,7 +98,7 @@ class PrefillService(Worker):
                 request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token=final.new_token_ids[0],
                 prior_output_ids=req.prior_output_ids,
                 sampling=req.sampling, reply_to=req.reply_to, cache_salt=req.cache_salt, num_blocks=len(ids),
-                block_shape=eng.kv_port.block_shape, dtype=str(eng.kv_port.kv_cache.dtype).removeprefix("torch."),
+                block_shape=eng.kv_port.block_shape, dtype=eng.kv_port.dtype_name,
                 transport=req.transport, handle=handle, num_cached_tokens=final.num_cached_tokens,
                 ttft_ms=(time.perf_counter() - t0) * 1000.0, prefill_worker=self.config.worker_id,
                 retention=req.retention, tier_cached_tokens=tier_tokens, model_fingerprint=eng.fingerprint,

@@ -88,13 +88,12 @@ class Worker(TierMixin, Service):
         engine = self.aengine.engine
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
-        if not engine.kv_port.travels:   # no transports: the router prefills here and never migrates from here
-            logger.warning("%s: this model's KV does not travel between engines yet (%s): no KV transports%s",
-                           c.worker_id, engine.model.config.model_id, ", no cache tier" if c.cache_tier else "")
-            offered = []
+        if c.cache_tier and not engine.kv_port.tiers:   # per-sequence states travel whole, not as blocks
+            logger.warning("%s: %s keeps one KV state per sequence, not blocks a cache tier stores: no cache tier",
+                           c.worker_id, engine.model.config.model_id)
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
         host = host_id(c.host_id)
-        if c.cache_tier and engine.kv_port.travels:
+        if c.cache_tier and engine.kv_port.tiers:
             host_transports = {t: tr for t, tr in self.transports.items() if t != "cuda_ipc"}
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
                                    c.tier_write_queue, codec_for(c.tier_kv_format))

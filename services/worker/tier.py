@@ -21,7 +21,7 @@ class TierMixin:
         eng = self.engine
         first, hashes = await self.aengine.call(lambda: eng.kv_port.missing_blocks(prompt, cache_salt))
         return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_port.block_shape,
-                                    str(eng.kv_port.kv_cache.dtype).removeprefix("torch."), cache_salt, retention,
+                                    eng.kv_port.dtype_name, cache_salt, retention,
                                     eng.kv_port.window_layers)
 
     def with_tier(self, pulled: Pulled | None, prompt: list[int], cache_salt: str, add, imported: list[int]):

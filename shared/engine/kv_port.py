@@ -30,6 +30,12 @@ still held them (a layout without KV groups sends whole blocks: empty mask). An 
 did not travel: its ``KVManager`` allocates window rows only where its window needs them, and a layout that
 cannot take a partial block (``accepts``) recomputes instead.
 
+A per-sequence state layout (DeepSeek V4, ``shared/engine/v4_kv.py``: a window, compressed entries and pending
+groups per layer, no paged pools) travels as one packed state (``shared/model/v4_state.pack``): pages of
+``block_shape = [page_numel]`` numbers, as many as the state over the request's tokens needs, the whole state at
+once (no pre-copy: no block of it is final while the request runs); the importer restores it whole
+(``V4StateManager.adopt``). Its KV is not content-addressed blocks: no cache tier (``tiers``).
+
 Invariants: a detached request is in ``engine.requests`` and ``detached`` and in no scheduler queue; a held one
 is in ``held`` only; ``engine.abort`` of either frees its blocks.
 """
@@ -91,33 +97,53 @@ class KVPort:
 
     @property
     def block_shape(self) -> list[int]:
-        """The wire shape of one logical block: ``[L, 2, kvh, block_size, D]``."""
-        return kv_cache.block_shape(self._kv)
+        """The wire shape of one logical block: ``[L, 2, kvh, block_size, D]`` (a state layout's page:
+        ``[page_numel]``)."""
+        return [self._bm.page_numel] if self.carries_state else kv_cache.block_shape(self._kv)
+
+    def _payload_blocks(self, num_tokens: int) -> int:
+        """Payload blocks of a request whose KV covers ``num_tokens`` tokens (a state layout's: its pages)."""
+        if self.carries_state:
+            return self._bm.payload_pages(num_tokens)
+        return -(-num_tokens // self.engine.config.block_size)
 
     @property
-    def travels(self) -> bool:
-        """Whether this layout's KV can cross the engine at all: not per-sequence states (DeepSeek V4,
-        ``shared/engine/v4_kv.py``), whose requests are computed where they run."""
-        return self._kv is not None
+    def carries_state(self) -> bool:
+        """Whether the manager keeps one state per sequence (DeepSeek V4) rather than paged KV blocks."""
+        return self._kv is None
+
+    @property
+    def tiers(self) -> bool:
+        """Whether this layout's KV is content-addressed blocks a cache tier can store (not per-sequence states)."""
+        return not self.carries_state
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one logical block (a state layout's budget block when KV does not travel)."""
-        if not self.travels:
+        """Bytes of one logical block (a state layout's budget block)."""
+        if self.carries_state:
             return self._bm.block_bytes
         return int(torch.Size(self.block_shape).numel()) * self.kv_cache.dtype.itemsize
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype KV travels in: the cache's (a state layout's: the model's)."""
+        return self.engine.model.dtype if self.carries_state else self.kv_cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where imported KV goes: the cache's device (a state layout's: the model's)."""
+        return self.engine.model.device if self.carries_state else self.kv_cache.device
+
+    @property
     def dtype_name(self) -> str:
-        """The cache dtype as the wire names it (torch's name without ``torch.``)."""
-        dtype = self.kv_cache.dtype if self.travels else self.engine.model.dtype
-        return str(dtype).removeprefix("torch.")
+        """The KV dtype as the wire names it (torch's name without ``torch.``)."""
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def stages_in_place(self) -> bool:
         """Whether ``source`` hands out the cache itself (any thread may stage from it) rather than a packed copy
         (made on the engine thread, between steps: then the blocks' content at one instant)."""
-        return kv_cache.stages_in_place(self._kv)
+        return not self.carries_state and kv_cache.stages_in_place(self._kv)
 
     @property
     def window_layers(self) -> list[int]:
@@ -139,6 +165,12 @@ class KVPort:
         (``stage_blocks(cache, rows)``): the cache itself, ``ids`` and ``b""`` when it stages in place; else a
         packed run, ``range(n)`` and its mask. With ``next_query`` (the first position the importer computes), a
         block carries window rows only where that query's window can see it: no row travels unread."""
+        if self.carries_state:   # the whole state, packed: ``ids`` are its pages
+            pages = self._bm.pack(request_id)
+            if len(pages) != len(ids):
+                raise DeepinferError(ErrorCode.INTERNAL, f"{request_id}'s state packs to {len(pages)} pages, not "
+                                     f"the {len(ids)} its tokens need")
+            return pages, list(range(len(pages))), b""
         group_ids = self._bm.group_block_ids(request_id, list(ids), next_query)
         source, rows, has_window = kv_cache.stage(self._kv, group_ids)
         return source, rows, b"" if has_window is None else block_pack.encode_mask(has_window)
@@ -153,7 +185,13 @@ class KVPort:
 
     def unpack(self, payload: torch.Tensor, num_blocks: int, window_mask: bytes) -> tuple[torch.Tensor, list[bool]]:
         """``(blocks [num_blocks, L, ...], has_window)`` of a fetched payload (``payload_shape``); rows that did not
-        travel read as zeros, and ``has_window`` says which blocks carry theirs."""
+        travel read as zeros, and ``has_window`` says which blocks carry theirs. A state layout's pages come back
+        as they are."""
+        if self.carries_state:
+            if window_mask or list(payload.shape) != [num_blocks, *self.block_shape]:
+                raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"a packed state is {num_blocks} pages of "
+                                     f"{self.block_shape} with no window mask, not {list(payload.shape)}")
+            return payload, [True] * num_blocks
         has_window = block_pack.decode_mask(window_mask, num_blocks)   # block_pack.unpack checks the shape
         return block_pack.unpack(payload, has_window, self.window_layers, self.block_shape), has_window
 
@@ -187,7 +225,13 @@ class KVPort:
         req = self.held.get(request_id)
         if req is None:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
-        return self._bm.block_ids(request_id)[:-(-(req.num_tokens - 1) // self.engine.config.block_size)]
+        return self._kv_block_ids(req)
+
+    def _kv_block_ids(self, req: Request) -> list[int]:
+        """The blocks (a state layout's: pages) holding the KV of every token of ``req`` but the newest."""
+        if self.carries_state:
+            return list(range(self._payload_blocks(req.num_tokens - 1)))
+        return self._bm.block_ids(req.request_id)[:-(-(req.num_tokens - 1) // self.engine.config.block_size)]
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """``[num_prompt_blocks, L, 2, kvh, block_size, D]`` copy of a held request's prompt KV."""
@@ -229,18 +273,19 @@ class KVPort:
                                  f"({req.num_computed_tokens}/{req.num_tokens} tokens computed)")
         engine.scheduler.remove(req, free_blocks=False)
         self.detached[request_id] = req
-        ids = self._bm.block_ids(request_id)[:-(-(req.num_tokens - 1) // engine.config.block_size)]
+        ids = self._kv_block_ids(req)
         state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else b""
         return Detached(list(req.prompt_token_ids), list(req.output_token_ids), list(ids), state,
                         req.stats.num_cached_tokens)
 
     def full_blocks(self, request_id: str) -> tuple[list[int], list[int], str]:
         """Pre-copy: ``(block ids, token ids, cache salt)``: a running request's computed full blocks (their KV
-        never changes while it runs), all its tokens so far, and the salt its block hashes are chained with."""
+        never changes while it runs; a state layout has none), all its tokens so far, and the salt its block hashes
+        are chained with."""
         req = self.engine.requests.get(request_id)
         if req is None or req.status != RequestStatus.RUNNING or request_id in self.detached:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} is not running here")
-        full = min(req.num_computed_tokens, req.num_tokens - 1) // self.engine.config.block_size
+        full = 0 if self.carries_state else min(req.num_computed_tokens, req.num_tokens - 1) // self.engine.config.block_size
         return list(self._bm.block_ids(request_id)[:full]), list(req.all_token_ids), req.cache_salt
 
     def holds_blocks(self, request_id: str, block_ids: list[int]) -> bool:
@@ -281,9 +326,9 @@ class KVPort:
         if len(generator_state) > MAX_GENERATOR_STATE_BYTES or (generator_state and params.seed is None):
             raise invalid(f"a generator state needs a seeded request and at most {MAX_GENERATOR_STATE_BYTES} bytes")
         with_kv = len(prompt_token_ids) + len(output_token_ids) - 1
-        if not 0 <= first_block <= with_kv // bs:
+        if not 0 <= first_block <= (0 if self.carries_state else with_kv // bs):
             raise invalid(f"first_block {first_block} is not a full block of {with_kv} tokens")
-        want = [-(-with_kv // bs) - first_block, *self.block_shape]
+        want = [self._payload_blocks(with_kv) - first_block, *self.block_shape]
         if list(shape) != want or dtype != self.dtype_name:
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"KV payload {list(shape)} {dtype} does not match this "
                                  f"engine's {want} {self.dtype_name} for {with_kv} tokens")
@@ -316,6 +361,13 @@ class KVPort:
             if req.detokenizer is not None and not engine.is_stop_token(token, params):
                 req.output_text += req.detokenizer.feed(token)
         with_kv = req.num_tokens - 1
+        if self.carries_state:
+            engine.requests[request_id] = req
+            if engine.scheduler.has_seat() and bm.adopt(req, kv, with_kv):
+                self._run_imported(req, with_kv, 0)
+                return True
+            engine.scheduler.add(req)   # no room: recomputed here
+            return False
         hits, _ = bm.get_computed_blocks(req, q0=with_kv)  # window blocks: only what its next query will see
         if len(hits) < first_block:
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{first_block} pre-copied blocks expected in the prefix "
@@ -328,12 +380,16 @@ class KVPort:
             sched.add(req)  # recompute locally when there is room; exact, just slower
             return False
         self.write(request_id, len(hits), kv[len(hits) - first_block:])  # the payload's blocks this cache lacks
+        self._run_imported(req, with_kv, len(hits) * bs)
+        return True
+
+    def _run_imported(self, req: Request, with_kv: int, cached_tokens: int) -> None:
+        """Join an imported request to the batch with the KV of ``with_kv`` tokens in place."""
         req.num_computed_tokens = with_kv
         req.status = RequestStatus.RUNNING
         req.stats.first_scheduled_time = time.perf_counter()
-        req.stats.num_cached_tokens = len(hits) * bs
-        sched.join_running(req)
-        return True
+        req.stats.num_cached_tokens = cached_tokens
+        self.engine.scheduler.join_running(req)
 
     # -- cache tier ------------------------------------------------------------------------------------
     def _scratch_request(self, prompt_token_ids: list[int], cache_salt: str) -> Request:
@@ -360,6 +416,9 @@ class KVPort:
         carries its window layers' rows when ``has_window[j]``, default all) in the prefix cache. Returns how many
         of them a prefix lookup now reuses (the layout's hit rule: blocks without the window rows a hit needs do
         not count; fewer when the pool has no free room; 0 with prefix caching off)."""
+        if not self.tiers:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "this layout's KV is per-sequence state, not blocks a "
+                                 "prefix cache takes (no tier, no pre-copy)")
         want = [-1, *self.block_shape]
         if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != self.kv_cache.dtype:
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "

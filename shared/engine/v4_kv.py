@@ -25,7 +25,10 @@ Speculative decoding: a verification's rows run as one-token chunks, each leavin
 (``checkpoint``), and ``trim`` puts back the state after the last accepted row: rejected drafts leave nothing in
 the window, entries or pending rows.
 
-Not yet: hand-off, tier and migration payloads (``accepts`` is False: a V4 request is computed where it runs).
+Hand-off and migration: ``pack`` writes a request's whole state as pages of ``page_numel`` numbers (about one
+budget block each; ``shared/model/v4_state.pack``) and ``adopt`` gives an imported request the state read back
+from them, budgeted as its own; a request's state is never split into blocks another engine's prefix cache takes
+(``accepts`` is False, ``import_cached`` refuses: no tier, no pre-copy).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
+from shared.model import v4_state
 from shared.model.v4_state import V4SequenceState
 
 
@@ -96,10 +100,12 @@ class V4StateManager(KVManager):
     """See the module docstring. ``new_state()`` makes an empty sequence state (the model's)."""
 
     def __init__(self, num_blocks: int, block_size: int, block_bytes: int, fixed_blocks: int,
-                 enable_caching: bool, new_state: Callable[[], V4SequenceState]) -> None:
-        if num_blocks <= 0 or block_size <= 0 or block_bytes <= 0:
-            raise ValueError("num_blocks, block_size and block_bytes must be positive")
+                 enable_caching: bool, new_state: Callable[[], V4SequenceState], config: ModelConfig,
+                 page_numel: int) -> None:
+        if num_blocks <= 0 or block_size <= 0 or block_bytes <= 0 or page_numel <= 0:
+            raise ValueError("num_blocks, block_size, block_bytes and page_numel must be positive")
         self._num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
+        self.config, self.page_numel = config, page_numel
         self.fixed_blocks, self.enable_caching, self.new_state = fixed_blocks, enable_caching, new_state
         self.states: dict[str, V4SequenceState] = {}
         self.held: dict[str, int] = {}           # request id -> budget blocks it holds
@@ -219,6 +225,32 @@ class V4StateManager(KVManager):
             self.held_blocks -= self.held[request_id] - kept
             self.held[request_id] = kept
 
+    # -- hand-off and migration --------------------------------------------------------------------
+    def payload_pages(self, num_tokens: int) -> int:
+        """Pages ``pack`` writes for a state over ``num_tokens`` tokens."""
+        return max(1, -(-v4_state.context_numel(self.config, num_tokens) // self.page_numel))
+
+    def pack(self, request_id: str):
+        """``[pages, page_numel]``: the request's state as it stands, packed (a copy)."""
+        return v4_state.pack(self.states[request_id], self.config, self.page_numel)
+
+    def adopt(self, request: Request, pages, num_tokens: int) -> bool:
+        """Give ``request`` (new here) the state ``pages`` holds over its first ``num_tokens`` tokens, with room in
+        the budget as if it had computed them; False when there is no room (nothing changes). ``transfer_failed``
+        when the pages cannot hold such a state."""
+        rid = request.request_id
+        try:
+            state = v4_state.unpack(pages, self.config, num_tokens)
+        except ValueError as err:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, str(err)) from None
+        need = self._need(rid, num_tokens)
+        if rid in self.states or not self._make_room(need):
+            return False
+        self.states[rid] = state
+        self.held[rid] = need
+        self.held_blocks += need
+        return True
+
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""
 
@@ -291,8 +323,8 @@ class V4StateManager(KVManager):
         return 0 if snap is None else len(snap.hashes)
 
     def import_cached(self, request: Request, first: int, count: int, has_window: list[bool]) -> ImportedBlocks:
-        raise DeepinferError(ErrorCode.INVALID_REQUEST, "DeepSeek V4 KV does not travel between engines yet: "
-                             "the request is computed where it runs")
+        raise DeepinferError(ErrorCode.INVALID_REQUEST, "DeepSeek V4 KV travels as whole sequence states "
+                             "(hand-off, migration), not as blocks a prefix cache takes")
 
     def accepts(self, has_window: list[bool] | None) -> bool:
         return False
@@ -320,4 +352,5 @@ def build_v4_manager(config: ModelConfig, element_bytes: int, block_size: int, k
     block_bytes = max(1, math.ceil(block_size * entry_bytes_per_token(config, element_bytes)))
     fixed = -(-fixed_bytes(config, element_bytes) // block_bytes)
     num_blocks = num_kv_blocks or max(1, kv_cache_bytes // block_bytes)
-    return V4StateManager(num_blocks, block_size, block_bytes, fixed, enable_caching, new_state)
+    return V4StateManager(num_blocks, block_size, block_bytes, fixed, enable_caching, new_state, config,
+                          max(1, block_bytes // element_bytes))

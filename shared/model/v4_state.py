@@ -93,21 +93,95 @@ class V4SequenceState:
         return total
 
 
+def _compressor_shapes(d: int, ratio: int, overlap: bool, n: int) -> list[tuple[int, int]]:
+    """Shapes of a compressor state's parts over ``n`` tokens, in the order ``CompressorState`` lists them:
+    entries, pending kv and gate, and (overlapping groups, once a group completed) the overlap kv and gate."""
+    width = 2 * d if overlap else d
+    shapes = [(n // ratio, d), (n % ratio, width), (n % ratio, width)]
+    return shapes + ([(ratio, d), (ratio, d)] if overlap and n >= ratio else [])
+
+
+def layout(config: ModelConfig, num_tokens: int) -> list[list[tuple[int, int]]]:
+    """Per layer, the shapes of its state's parts over ``num_tokens`` tokens in their canonical order: the window,
+    then the compressor's parts and the indexer's (``_compressor_shapes``). A function of the config and the
+    token count alone: what a packed state is read back with (``pack`` / ``unpack``)."""
+    v4, hd, n = config.v4, config.head_dim, num_tokens
+    layers = []
+    for kind in v4.layer_types:
+        parts = [(min(n, v4.sliding_window - 1), hd)]
+        if kind == "compressed_sparse_attention":
+            parts += _compressor_shapes(hd, v4.csa_ratio, True, n)
+            parts += _compressor_shapes(v4.index_head_dim, v4.csa_ratio, True, n)
+        elif kind == "heavily_compressed_attention":
+            parts += _compressor_shapes(hd, v4.hca_ratio, False, n)
+        layers.append(parts)
+    return layers
+
+
+def context_numel(config: ModelConfig, num_tokens: int) -> int:
+    """Numbers a V4 sequence state over ``num_tokens`` tokens holds (``layout``'s parts)."""
+    return sum(rows * cols for parts in layout(config, num_tokens) for rows, cols in parts)
+
+
 def context_bytes(config: ModelConfig, num_tokens: int, element_bytes: int) -> int:
     """Bytes a V4 sequence state over ``num_tokens`` tokens holds (what ``V4SequenceState.nbytes`` measures),
     computed from the config alone (for contexts too long to build: 77K, 1M tokens)."""
-    v4, hd, n = config.v4, config.head_dim, num_tokens
+    return context_numel(config, num_tokens) * element_bytes
 
-    def compressor(d: int, ratio: int, overlap: bool) -> int:
-        width = 2 * d if overlap else d
-        kept = (n // ratio) * d + 2 * (n % ratio) * width   # entries, pending kv + gate
-        return kept + (2 * ratio * d if overlap and n >= ratio else 0)   # the last group's series, kv + gate
 
-    numbers = 0
-    for kind in v4.layer_types:
-        numbers += min(n, v4.sliding_window - 1) * hd
+def _parts(state: V4SequenceState) -> list[torch.Tensor | None]:
+    out: list[torch.Tensor | None] = []
+    for layer in state.layers:
+        out.append(layer.window)
+        for c in (layer.compressor, layer.indexer):
+            if c is not None:
+                out += [c.entries, c.pending_kv, c.pending_gate, c.overlap_kv, c.overlap_gate]
+    return out
+
+
+def pack(state: V4SequenceState, config: ModelConfig, page_numel: int) -> torch.Tensor:
+    """``[pages, page_numel]``: the state's parts flattened in ``layout`` order, zero-padded to whole pages (the
+    wire form of a hand-off or migration: fewer than one page of padding). Raises ``ValueError`` when a part's
+    shape is not ``layout``'s for the state's token count (a state that broke its invariants)."""
+    shapes = [shape for parts in layout(config, state.num_tokens) for shape in parts]
+    present = [t for t in _parts(state) if t is not None]
+    if [tuple(t.shape) for t in present] != shapes:
+        raise ValueError(f"a DeepSeek V4 state over {state.num_tokens} tokens has parts "
+                         f"{[tuple(t.shape) for t in present]}, not {shapes}")
+    total = sum(r * c for r, c in shapes)
+    pages = max(1, -(-total // page_numel))
+    flat = present[0].new_zeros(pages * page_numel)
+    if total:
+        torch.cat([t.reshape(-1) for t in present], out=flat[:total])
+    return flat.view(pages, page_numel)
+
+
+def unpack(pages: torch.Tensor, config: ModelConfig, num_tokens: int) -> V4SequenceState:
+    """The state ``pack`` wrote for ``num_tokens`` tokens (its parts own their memory: copies of ``pages``).
+    ``ValueError`` when ``pages`` holds fewer numbers than ``layout`` needs."""
+    flat = pages.reshape(-1)
+    need = context_numel(config, num_tokens)
+    if flat.numel() < need:
+        raise ValueError(f"{flat.numel()} numbers cannot hold a DeepSeek V4 state over {num_tokens} tokens ({need})")
+    at = 0
+
+    def take(shape: tuple[int, int]) -> torch.Tensor:
+        nonlocal at
+        rows, cols = shape
+        part = flat[at:at + rows * cols].view(rows, cols).clone()
+        at += rows * cols
+        return part
+
+    def compressor(shapes: list[tuple[int, int]]) -> CompressorState:
+        return CompressorState(*(take(shape) for shape in shapes))   # 3 parts, or 5 with the overlap
+
+    layers = []
+    for kind, parts in zip(config.v4.layer_types, layout(config, num_tokens)):
+        layer = LayerState(take(parts[0]))
         if kind == "compressed_sparse_attention":
-            numbers += compressor(hd, v4.csa_ratio, True) + compressor(v4.index_head_dim, v4.csa_ratio, True)
+            half = (len(parts) - 1) // 2
+            layer.compressor, layer.indexer = compressor(parts[1:1 + half]), compressor(parts[1 + half:])
         elif kind == "heavily_compressed_attention":
-            numbers += compressor(hd, v4.hca_ratio, False)
-    return numbers * element_bytes
+            layer.compressor = compressor(parts[1:])
+        layers.append(layer)
+    return V4SequenceState(layers, num_tokens)

@@ -1,19 +1,20 @@
 """DeepSeek V4 (tiny random checkpoint made by transformers) served through the real router and workers over a
-real nats-server. Its KV does not travel between engines yet (``KVPort.travels``): the workers offer no KV
-transport, so the router prefills on the decode worker whatever the policy would have split, a forced remote
-prefill is refused with a clear error, a cache tier is left out, and a draining decode worker's streams are handed
-back and recomputed elsewhere; every stream equals the single-process engine's greedy tokens, and a repeated
-prompt hits the decode worker's prefix cache (a block-boundary state snapshot)."""
+real nats-server. Its KV is one state per sequence (window rows, compressed entries, pending groups): a remote
+prefill hands the whole packed state to the decode worker, and a live migration moves it mid-stream; the bytes
+that moved are the state's (``context_bytes``, under a page of padding), never per-token K/V. A cache tier is left
+out (the state is not content-addressed blocks). Every stream equals the single-process engine's greedy tokens,
+and a repeated prompt hits the decode worker's prefix cache (a block-boundary state snapshot)."""
 import asyncio
 
 import pytest
 
 from shared import protocol
 from shared.client import generate
-from shared.errors import DeepinferError, ErrorCode
+from shared.model.v4_state import context_bytes
 from tests.deepseek_factory import VOCAB, write_v4_folder
 from tests.integration.conftest import connect
 from tests.integration.services_harness import InProcessCluster, generate_once, reference_outputs, wait_until
+from tests.integration.test_deepseek_services import migrated_stream, received_bytes
 
 TOKENS = 12
 
@@ -33,30 +34,51 @@ def request(prompt, rid: str, mode: str = "auto", max_tokens: int = TOKENS) -> p
                                     ignore_eos=True, timeout_s=60.0, prefill_mode=mode)
 
 
-async def test_v4_serves_locally_exactly_with_prefix_hits(nats_server, folder, tmp_path):
+async def test_v4_hands_its_state_off_exactly_and_hits_its_prefix_caches(nats_server, folder, tmp_path):
+    """Each prompt prefilled remotely (its state handed off), then again remotely (a hit on the prefill worker's
+    snapshots), then its next turn (prompt + answer + 5 tokens) on the decode worker, which hits the snapshot it
+    took past the adopted state while decoding."""
     ps = prompts()
     expected = reference_outputs(folder, ps, TOKENS)
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm,stream",
                                 tier_dir=tmp_path) as cluster:
-        assert all(not w.transports and w.tier is None for w in cluster.workers)
+        assert all(w.transports and w.tier is None for w in cluster.workers)
         nc = await connect(nats_server.url)
         try:
-            first = [await generate(nc, request(p, f"a{i}")) for i, p in enumerate(ps)]
-            again = [await generate(nc, request(p, f"b{i}")) for i, p in enumerate(ps)]
-            with pytest.raises(DeepinferError) as forced:
-                await generate(nc, request(ps[0], "forced", mode="remote"))
+            remote = [await generate(nc, request(p, f"r{i}", mode="remote")) for i, p in enumerate(ps)]
+            decode = next(w for w in cluster.workers if w.config.role == "decode")
+            config, page_bytes = decode.engine.model.config, decode.engine.kv_port.block_bytes
+            moved = received_bytes(decode)
+            again = [await generate(nc, request(p, f"b{i}", mode="remote")) for i, p in enumerate(ps)]
+            turns = [p + ids + [7, 8, 9, 10, 11] for p, (ids, _, _) in zip(ps, remote)]
+            follow = [await generate(nc, request(t, f"t{i}", mode="local")) for i, t in enumerate(turns)]
         finally:
             await nc.close()
-        prefill = next(w for w in cluster.workers if w.config.role == "prefill")
-        assert prefill.engine.block_manager.num_query_tokens == 0   # the router never sent it work
-    assert [ids for ids, _, _ in first] == [ids for ids, _, _ in again] == expected
-    for p, (_, _, usage) in zip(ps, again):
-        assert usage["cached_tokens"] == (len(p) - 1) // 8 * 8   # the snapshot before the prompt's last token
-    assert forced.value.code == ErrorCode.UNAVAILABLE
+    assert [ids for ids, _, _ in remote] == [ids for ids, _, _ in again] == expected
+    assert [ids for ids, _, _ in follow] == reference_outputs(folder, turns, TOKENS)
+    exact = sum(context_bytes(config, len(p), 8) for p in ps)   # float64 workers
+    assert exact <= moved < exact + len(ps) * page_bytes, (moved, exact)
+    assert moved < sum(len(p) for p in ps) * config.num_layers * 2 * config.head_dim * 8 / 2   # not per-token K/V
+    for p, (_, _, usage) in zip(ps, again):   # the snapshot before the prompt's last token, on the prefill worker
+        assert usage["cached_tokens"] == (len(p) - 1) // 8 * 8, usage
+    for p, (_, _, usage) in zip(ps, follow):   # the decode worker's newest snapshot of the first turn
+        assert usage["cached_tokens"] == (len(p) + TOKENS - 1) // 8 * 8, usage
+
+
+async def test_a_v4_stream_moves_mid_decode_and_stays_exact(nats_server, folder):
+    prompt = prompts()[1]
+    expected = reference_outputs(folder, [prompt], 300)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
+                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:
+        ack, chunks = await migrated_stream(nats_server.url, cluster, prompt, 300)
+        target = next(w for w in cluster.workers if w.config.worker_id == ack.detail)
+        assert target.desk.sent == 0 and received_bytes(target) > 0
+    assert ack.detail.startswith("decode-")
+    assert [t for c in chunks for t in c.token_ids] == expected and chunks[-1].usage["migrations"] == 1
 
 
 async def test_draining_v4_decode_worker_hands_its_streams_back(nats_server, folder):
-    """No transport to migrate over: the drain's grace ends and the streams continue, recomputed, on the other
+    """No migration target takes them in time (a short grace): the streams continue, recomputed, on the other
     decode worker, each equal to the uninterrupted output."""
     ps, tokens = prompts(), 300
     expected = reference_outputs(folder, ps, tokens)
@@ -69,4 +91,3 @@ async def test_draining_v4_decode_worker_hands_its_streams_back(nats_server, fol
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
     assert [ids for ids, _, _ in results] == expected
     assert any(usage["failovers"] for _, _, usage in results), "some streams were on the drained worker"
-

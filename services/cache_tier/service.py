@@ -35,6 +35,7 @@ from shared.kv_events import KVEventPublisher
 from shared.kv.registry import available_transports, make_transport
 from services.cache_tier.store import RetentionPolicy, StoreConfig, TieredBlockStore
 from services.cache_tier.store.dram_reserve import reserve_heap
+from shared.kv.transport import handle_meta, transfer_timeout
 from shared.kv.transport_choice import common_transport
 from services.cache_tier.metrics import CacheTierMetrics
 from shared.metrics.server import MetricsServer
@@ -120,7 +121,8 @@ class CacheTierService(Service):
         if transport is None:
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {put.transport!r} not offered here")
         check_put_handle(put, self.store.config.max_block_bytes)
-        kv = await transport.fetch(put.handle, timeout=self.config.fetch_timeout_s)   # packed [rows, ...]
+        kv = await transport.fetch(put.handle, timeout=transfer_timeout(self.config.fetch_timeout_s,   # packed
+                                                                         handle_meta(put.handle)[2]))
         blocks = to_blocks(put, kv, writer)
         self.metrics.transfer("put", put.transport, len(blocks))
         new = [b.block_hash for b in blocks if self.store.where(b.block_hash) is None]

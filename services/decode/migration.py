@@ -33,7 +33,7 @@ from shared import protocol, subjects
 from shared.engine.kv_port import Detached
 from shared.engine.outputs import RequestOutput
 from shared.errors import DeepinferError, ErrorCode
-from shared.kv.transport import handle_meta
+from shared.kv.transport import handle_meta, transfer_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class MigrationDesk:
             raise
         w.aengine.end_stream(RequestOutput(rid, [], "", True, MIGRATING))
         try:
-            async with asyncio.timeout(w.config.handoff_timeout_s + 5.0):
+            moving = len(order.moved.block_ids) * w.engine.kv_port.block_bytes
+            async with asyncio.timeout(transfer_timeout(w.config.handoff_timeout_s + 5.0, moving)):
                 await asyncio.shield(order.done)
         except TimeoutError:
             raise DeepinferError(ErrorCode.TIMEOUT, f"migration of {rid} did not settle") from None
@@ -175,7 +176,8 @@ class MigrationDesk:
                     router_instance=req.router_instance, generator_state=moved.generator_state, first_seq=seq,
                     first_block=first, window_mask=mask)
                 reply = await w.nc.request(subjects.decode(order.target), protocol.encode(handoff),
-                                           timeout=w.config.handoff_timeout_s)
+                                           timeout=transfer_timeout(w.config.handoff_timeout_s,
+                                                                    int(handle.get("nbytes", 0))))
                 protocol.decode_reply(reply.data, protocol.Ack)
             finally:
                 await transport.release(tid)

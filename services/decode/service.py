@@ -18,7 +18,7 @@ from services.decode.migration import MIGRATING, MigrationDesk
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
-from shared.kv.transport import handle_meta
+from shared.kv.transport import handle_meta, transfer_timeout
 from shared.metrics.common import OUTCOME_FINISHED
 from services.worker.metrics import FINISH_REASONS, OUTCOME_MIGRATED
 from services.worker.base import Worker
@@ -76,7 +76,8 @@ class DecodeService(Worker):
         try:
             if handoff:
                 t_fetch = time.perf_counter()
-                kv = await transport.fetch(req.handle, timeout=self.config.handoff_timeout_s)   # packed
+                kv = await transport.fetch(req.handle, timeout=transfer_timeout(   # packed
+                    self.config.handoff_timeout_s, nbytes))
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
                 kv, has_window = eng.kv_port.unpack(kv.to(eng.kv_port.device), req.num_blocks, req.window_mask)
                 submit = lambda: eng.kv_port.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,

@@ -17,6 +17,7 @@ import time
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
 from shared.metrics.common import OUTCOME_FINISHED
+from shared.kv.transport import transfer_timeout
 from services.worker.metrics import OUTCOME_HANDED_OFF
 from services.worker.base import Worker
 
@@ -106,7 +107,8 @@ class PrefillService(Worker):
                 window_mask=mask, generator_state=generator_state)
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
-                                              timeout=self.config.handoff_timeout_s)
+                                              timeout=transfer_timeout(self.config.handoff_timeout_s,
+                                                                       int(handle.get("nbytes", 0))))
             except Exception as err:  # timeout, no responders, connection loss
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED,
                                      f"decode worker {req.decode_worker} did not take the KV: {err!r}") from None

@@ -27,7 +27,7 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain
 from shared.kv.kv_codec import KVCodec
-from shared.kv.transport import KVTransport, parse_dtype
+from shared.kv.transport import KVTransport, parse_dtype, transfer_timeout
 from shared.kv.transport_choice import common_transport
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ class TierClient:
             transport = self.transports.get(reply.transport)
             if transport is None:
                 raise ValueError(f"tier staged through {reply.transport!r}, not offered here")
-            packed = await transport.fetch(reply.handle, timeout=self.timeout_s)   # block_pack.packed_shape
+            packed = await transport.fetch(reply.handle, timeout=transfer_timeout(   # block_pack.packed_shape
+                self.timeout_s, int(reply.handle.get("nbytes", 0))))
             has_window = block_pack.decode_mask(reply.window_mask, reply.num_blocks)
             kv = block_pack.unpack(packed, has_window, window_layers, block_shape)  # [n, *block_shape]
             if codec is not None:   # [n, L, row_bytes] -> [n, *model_shape]

@@ -23,7 +23,8 @@ from tests.integration.conftest import connect
 def worker_config(role: str, url: str, folder, worker_id: str, **kw) -> WorkerConfig:
     return WorkerConfig(role=role, nats_url=url, worker_id=worker_id, model=str(folder), dtype="float64",
                         kv_cache_mb=kw.pop("kv_cache_mb", 8), block_size=8, heartbeat_s=0.2, threads=1,
-                        max_num_batched_tokens=64, drain_grace_s=kw.pop("drain_grace_s", 2.0), **kw)
+                        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64),
+                        drain_grace_s=kw.pop("drain_grace_s", 2.0), **kw)
 
 
 TIER_ID = "cache-0"
@@ -81,7 +82,8 @@ class InProcessCluster:
 
 def reference_outputs(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt alone through the single-process engine, no prefix cache."""
-    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=256,
+    blocks = max(256, max((len(p) + max_tokens) // 8 + 2 for p in prompts))
+    engine = LLMEngine.from_path(str(folder), EngineConfig(dtype="float64", block_size=8, num_kv_blocks=blocks,
                                                            enable_prefix_caching=False))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [engine.generate([p], params)[0] for p in prompts]

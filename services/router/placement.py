@@ -51,7 +51,7 @@ class Placer:
         build = self.model.choose(alive, fingerprint, request_id)
         decode = _avoid([s for s in alive if s.report.model_fingerprint == build], exclude)
         prefill = [] if mode == "local" else _avoid(
-            [s for s in self.table.alive("prefill") if s.report.model_fingerprint == build], exclude)
+            [s for s in self.table.placeable("prefill") if s.report.model_fingerprint == build], exclude)
         first = decode[0].report
         hashes = hash_prompt_blocks(prompt, first.block_size, build, cache_salt)
         overlap = self.index.overlap(hashes)

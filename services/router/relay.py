@@ -170,7 +170,7 @@ class Relay:
         # workers see their own id per attempt: the router's cancel of a dead attempt (on di.v1.cancel, which
         # the router itself listens to for clients) must not cancel the client's request
         work_id = attempt_id(stream.rid, placement)
-        await self._await_decode_worker(stream)
+        await self._await_workers(stream, ("decode", "prefill") if req.prefill_mode == "remote" else ("decode",))
         prefill_w, decode_w, transport, build = self.placer.place(
             work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
             exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
@@ -209,12 +209,12 @@ class Relay:
                 await self.nc.publish(subjects.WORK_CANCEL,
                                       protocol.encode(protocol.CancelRequest(request_id=work_id)))
 
-    async def _await_decode_worker(self, stream: Stream) -> None:
-        """Wait (at most ``worker_wait_s`` and the stream's deadline) while no decode worker is placeable but the
-        table knows one that may come back: a heartbeat late on a loaded host, or a restart, costs the request
-        a delay, not an ``unavailable``. Returns at once when one is placeable or none is known."""
+    async def _await_workers(self, stream: Stream, roles: tuple[str, ...]) -> None:
+        """Wait (at most ``worker_wait_s`` and the stream's deadline) while a role in ``roles`` has no placeable
+        worker but the table knows one that may come back: a heartbeat late on a loaded host, or a restart,
+        costs the request a delay, not an ``unavailable``. Returns at once when each has one or none is known."""
         until = min(stream.deadline, time.monotonic() + self.worker_wait_s)
-        while not self.table.placeable("decode") and self.table.known("decode") and time.monotonic() < until:
+        while time.monotonic() < until and any(not self.table.placeable(r) and self.table.known(r) for r in roles):
             await asyncio.sleep(0.05)
 
     def prompt_holder(self, rid: str) -> dict[str, int]:

@@ -10,6 +10,7 @@ A worker that was dead and heartbeats again (a host whose link came back, a work
 resumed) takes new work only after ``rejoin_after_s`` of unbroken heartbeats: a connection that resumes after a
 cut first delivers heartbeats it buffered, then is often dropped as stale and replaced, and work sent to it in
 that window is lost (a hand-off then waits out its timeout). A worker seen for the first time takes work at once,
+as does a restart under the same id (its heartbeat names another process ``instance``),
 and so does one that beats within ``dead_after_s`` of a reconnect of the router's own connection
 (``router_reconnected``): after a NATS restart the router missed every heartbeat, and the workers are not to blame.
 When no worker of a role is past that wait, ``placeable`` offers the ones heartbeating now: a recovering worker
@@ -54,7 +55,9 @@ class WorkerTable:
         if state is None:
             self.workers[report.worker_id] = WorkerState(report, now, since=now)
             return
-        if now - state.last_seen >= self.dead_after_s:  # back after a silence: a new run starts
+        if report.instance != state.report.instance and report.instance:   # a restarted process: new, not back
+            state.since, state.rejoined = now, False
+        elif now - state.last_seen >= self.dead_after_s:  # back after a silence: a new run starts
             # the router itself saw only the silence since it was last connected
             state.since, state.rejoined = now, now - max(state.last_seen, self.reconnected_at) >= self.dead_after_s
         state.report, state.last_seen = report, now

@@ -246,3 +246,14 @@ def test_with_no_worker_past_its_rejoin_wait_a_heartbeating_one_is_placeable():
     table.update(report("d0", draining=True), now=20.0)
     table.update(report("d1", draining=True), now=20.0)
     assert not table.known("decode")
+
+
+def test_a_restarted_process_under_the_same_id_takes_work_at_once():
+    """A heartbeat naming another ``instance`` is a new process (a restart), not a flapping link: no rejoin
+    wait; the same instance back after a silence still waits."""
+    table = WorkerTable(dead_after_s=3.0)
+    table.update(report("d0", instance="a"), now=0.0)
+    table.update(report("d0", instance="b"), now=20.0)
+    assert [s.report.worker_id for s in table.alive("decode", now=20.0)] == ["d0"]
+    table.update(report("d0", instance="b"), now=40.0)
+    assert table.alive("decode", now=40.0) == []

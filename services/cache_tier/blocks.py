@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from services.cache_tier.store import StoredBlock
-from shared.kv.transport import handle_meta, parse_dtype
+from shared.kv.transport import handle_meta, parse_dtype, write_parts
 
 
 def _has_window(put: protocol.CachePut) -> list[bool]:
@@ -72,16 +71,17 @@ def window_mask(blocks: list[StoredBlock], get: protocol.CacheGet) -> bytes:
     return block_pack.encode_mask([b.shape[0] == get.block_shape[0] for b in blocks])
 
 
-def to_payload(blocks: list[StoredBlock], get: protocol.CacheGet) -> torch.Tensor:
-    """One contiguous packed run (``block_pack.packed_shape``) holding the blocks' bytes in order (one copy
-    each)."""
-    first = blocks[0]
-    dtype = parse_dtype(first.dtype)
+def payload_parts(blocks: list[StoredBlock], get: protocol.CacheGet) -> tuple[list[bytes], torch.dtype, list[int]]:
+    """``(parts, dtype, shape)``: the blocks' bytes in order and the packed run they make
+    (``block_pack.packed_shape``), for a transport to stage straight into its staging (``stage_parts``)."""
     has_window = [b.shape[0] == get.block_shape[0] for b in blocks]
-    out = torch.empty(block_pack.packed_shape(has_window, get.block_shape, get.full_layers), dtype=dtype)
-    flat = out.view(-1).view(torch.uint8) if dtype != torch.uint8 else out.view(-1)
-    dst, start = flat.numpy(), 0
-    for block in blocks:
-        dst[start:start + len(block.payload)] = np.frombuffer(block.payload, dtype=np.uint8)
-        start += len(block.payload)
+    shape = block_pack.packed_shape(has_window, get.block_shape, get.full_layers)
+    return [b.payload for b in blocks], parse_dtype(blocks[0].dtype), shape
+
+
+def to_payload(blocks: list[StoredBlock], get: protocol.CacheGet) -> torch.Tensor:
+    """One contiguous packed run (``payload_parts``' shape) holding the blocks' bytes in order (one copy each)."""
+    parts, dtype, shape = payload_parts(blocks, get)
+    out = torch.empty(shape, dtype=dtype)
+    write_parts(out.view(-1).view(torch.uint8) if dtype != torch.uint8 else out.view(-1), parts)
     return out

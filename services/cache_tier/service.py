@@ -39,7 +39,7 @@ from shared.kv.transport import handle_meta, transfer_timeout
 from shared.kv.transport_choice import common_transport
 from services.cache_tier.metrics import CacheTierMetrics
 from shared.metrics.server import MetricsServer
-from services.cache_tier.blocks import check_put_handle, fits, to_blocks, to_payload, window_mask
+from services.cache_tier.blocks import check_put_handle, fits, payload_parts, to_blocks, window_mask
 from services.cache_tier.ledger import TierLedger
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class CacheTierService(Service):
         self.announced: set[int] = set()   # hashes published as stored (minus those published as removed)
         self._releases: dict[str, asyncio.TimerHandle] = {}
         self._gc_runs = 0
+        self._maintainer: asyncio.Task | None = None   # the GC loop, cancelled before the store closes
         self.metrics = CacheTierMetrics(config.worker_id)  # read from the store and ledger at scrape time
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
@@ -93,7 +94,7 @@ class CacheTierService(Service):
         self.announced = set(held)
         self.events.sink("stored", sorted(held))        # what survived a restart is known at once
         self.events.start()
-        rt.spawn(self._maintenance())
+        self._maintainer = rt.spawn(self._maintenance())
         rt.start_heartbeat(self._load)
         if c.metrics_port:
             await self.metrics_server.start(c.metrics_port)
@@ -162,7 +163,8 @@ class CacheTierService(Service):
         if not found or name is None:
             return protocol.CacheGetReply(num_blocks=0)
         try:
-            handle = await self.transports[name].stage(to_payload(found, get), get.transfer_id)
+            parts, dtype, shape = payload_parts(found, get)   # straight into the transport's staging
+            handle = await self.transports[name].stage_parts(parts, dtype, shape, get.transfer_id)
         except DeepinferError as err:       # staging full or a duplicate transfer id: serve nothing
             logger.info("get %s: not staged: %s", get.transfer_id, err)
             return protocol.CacheGetReply(num_blocks=0)
@@ -229,6 +231,9 @@ class CacheTierService(Service):
             timer.cancel()
         self._releases.clear()
         await self.events.stop()
+        if self._maintainer is not None:   # no GC round may run into the closed store
+            self._maintainer.cancel()
+            await asyncio.gather(self._maintainer, return_exceptions=True)
         for transport in self.transports.values():
             await transport.close()
         await self.store.close()

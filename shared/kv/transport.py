@@ -162,6 +162,20 @@ async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return task.result()
 
 
+def write_parts(dst: torch.Tensor, parts: list) -> None:
+    """``dst`` (uint8, contiguous host) <- the bytes of ``parts`` one after another; ``transfer_failed`` unless
+    they fill it exactly."""
+    view, start = dst.numpy(), 0
+    for part in parts:
+        n = len(part)
+        if start + n > view.size:
+            raise transfer_failed(f"parts of more than {view.size} B do not fit the payload")
+        view[start:start + n] = np.frombuffer(part, dtype=np.uint8)
+        start += n
+    if start != view.size:
+        raise transfer_failed(f"parts of {start} B do not fill a payload of {view.size} B")
+
+
 def transfer_timeout(base_s: float, nbytes: int) -> float:
     """A wait for moving ``nbytes``: ``base_s`` plus the time the slowest planned link takes for them
     (``MIN_TRANSFER_BYTES_PER_S``; 77K tokens of a 0.5B model's fp32 KV, 1.9 GB: 19 s more)."""
@@ -272,6 +286,14 @@ class KVTransport(abc.ABC):
         """
         cache, ids = check_blocks(kv_cache, block_ids)      # [num_blocks, *block_shape], [n]
         return await self.stage(await host_blocks(cache, ids), transfer_id)
+
+    async def stage_parts(self, parts: list, dtype: torch.dtype, shape: list[int], transfer_id: str) -> dict:
+        """Sender: stage the concatenation of ``parts`` (bytes-like, in order) as one payload of ``shape`` /
+        ``dtype`` (a cache tier's stored blocks). Same handle and contract as ``stage``; shm writes the parts
+        straight into its segment (no payload tensor). Here: they are joined into one tensor, then staged."""
+        payload = torch.empty(shape, dtype=dtype)
+        await in_thread(write_parts, as_bytes(payload), parts)
+        return await self.stage(payload, transfer_id)
 
     @abc.abstractmethod
     async def fetch(self, handle: dict, out: torch.Tensor | None = None, timeout: float = 10.0) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 from shared.errors import DeepinferError
 from shared.kv.transport import (THREAD_COPY_BYTES, KVTransport, handle_fields, as_bytes, check_blocks,
                                  check_payload, dtype_name, gather_blocks_into, host_copy_, in_thread,
-                                 transfer_failed)
+                                 transfer_failed, write_parts)
 
 try:  # POSIX shm_open without resource_tracker registration (SharedMemory(track=False) is 3.13+).
     import _posixshmem
@@ -181,6 +181,16 @@ class ShmTransport(KVTransport):
         src = as_bytes(payload)
         return await self._stage_into(transfer_id, payload.dtype, list(payload.shape),
                                       lambda dst: _copy(dst, src))
+
+    async def stage_parts(self, parts: list, dtype: torch.dtype, shape: list[int], transfer_id: str) -> dict:
+        """The parts written straight into the segment (one copy each; big runs on a thread)."""
+        async def fill(dst: torch.Tensor) -> None:
+            if dst.numel() >= THREAD_COPY_BYTES:
+                await in_thread(write_parts, dst, parts)
+            else:
+                write_parts(dst, parts)
+
+        return await self._stage_into(transfer_id, dtype, [int(d) for d in shape], fill)
 
     async def stage_blocks(self, kv_cache: torch.Tensor, block_ids, transfer_id: str) -> dict:
         """Gather ``kv_cache[block_ids]`` straight into the segment: one copy, no intermediate host tensor

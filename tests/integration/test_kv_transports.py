@@ -317,3 +317,21 @@ def test_embedded_server_restart_keeps_url():
         server.stop()
         server.stop()
     assert server.proc is None
+
+
+async def test_stage_parts_joins_bytes_exactly(pair):
+    """``stage_parts`` (a tier's stored blocks, staged without a payload tensor): the receiver gets the parts'
+    concatenation as one payload; parts that do not fill the shape exactly are refused."""
+    tx, rx = pair
+    payload = kv((5, 3, 2, 16, 2, 8), torch.float16)
+    raw = payload.view(-1).view(torch.uint8).numpy().tobytes()
+    cuts = [0, 10, 4096, 4097, len(raw)]
+    parts = [raw[a:b] for a, b in zip(cuts, cuts[1:])]
+    handle = await tx.stage_parts(parts, torch.float16, list(payload.shape), "parts")
+    assert torch.equal(await rx.fetch(handle, timeout=10), payload)
+    await tx.release("parts")
+    for bad in (parts[:-1], parts + [b"x"]):
+        with pytest.raises(DeepinferError) as ei:
+            await tx.stage_parts(bad, torch.float16, list(payload.shape), "bad")
+        assert_transfer_failed(ei)
+    assert tx.staged_bytes == 0

@@ -122,6 +122,11 @@ async def _status(args: argparse.Namespace) -> int:
 
     nc = await connect(args.nats_url, "deepinfer-status", user=args.user, password=args.password)
     try:
+        if args.watch:   # a live terminal view until Ctrl-C
+            from cli import status_watch
+            with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+                await status_watch.watch(nc, interval_s=args.interval, listen_s=args.listen)
+            return 0
         report = await status.collect(nc, listen_s=args.listen)
     finally:
         await nc.close()
@@ -187,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_url(st, "the cluster's NATS server", required=True)
     st.add_argument("--listen", type=float, default=1.5, help="seconds to listen for heartbeats")
     st.add_argument("--json", action="store_true", help="print the raw report as JSON")
+    st.add_argument("--watch", action="store_true", help="a live view in the terminal, redrawn every --interval")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between --watch frames")
     _add_credential_args(st)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")

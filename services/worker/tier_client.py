@@ -38,7 +38,8 @@ TIER_DEAD_AFTER_S = 3.0
 @dataclass(slots=True)
 class Pulled:
     first: int               # index of the first block pulled
-    kv: torch.Tensor         # [n, *block_shape], unpacked (rows that did not travel are zeros)
+    kv: torch.Tensor         # the packed run as fetched (block_pack; [n, *block_shape] when every block is whole,
+                             # or after a codec's decode): KVPort.import_tier_blocks takes either form
     has_window: list[bool]   # per block: whether it carries its window layers' rows
     dram_blocks: int
     ssd_blocks: int
@@ -158,9 +159,12 @@ class TierClient:
             packed = await transport.fetch(reply.handle, timeout=transfer_timeout(   # block_pack.packed_shape
                 self.timeout_s, int(reply.handle.get("nbytes", 0))))
             has_window = block_pack.decode_mask(reply.window_mask, reply.num_blocks)
-            kv = block_pack.unpack(packed, has_window, window_layers, block_shape)  # [n, *block_shape]
+            kv = packed   # imported as it is (no unpacked copy of the run), unless a codec decodes it
             if codec is not None:   # [n, L, row_bytes] -> [n, *model_shape]
+                kv = block_pack.unpack(packed, has_window, window_layers, block_shape)
                 kv = await asyncio.to_thread(codec.decode, kv, model_shape, parse_dtype(model_dtype))
+            else:
+                block_pack.check_packed(packed, has_window, block_shape, len(window_layers))
         except Exception as err:  # noqa: BLE001 - any failure means: compute the blocks here
             self.counters.pull_failures += 1
             logger.info("tier pull from %s failed (%s): computing instead", self.tier_id, err)

@@ -412,26 +412,36 @@ class KVPort:
 
     def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
                            has_window: list[bool] | None = None) -> int:
-        """Publish ``kv`` ([n, *block_shape]: blocks ``first .. first + n - 1`` of the prompt, unpacked; block ``j``
-        carries its window layers' rows when ``has_window[j]``, default all) in the prefix cache. Returns how many
-        of them a prefix lookup now reuses (the layout's hit rule: blocks without the window rows a hit needs do
-        not count; fewer when the pool has no free room; 0 with prefix caching off)."""
+        """Publish ``kv`` (blocks ``first .. first + n - 1`` of the prompt: ``[n, *block_shape]`` unpacked, or the
+        packed run ``[rows, *block_shape[1:]]`` as fetched, ``shared/kv/block_pack.py``; block ``j`` carries its
+        window layers' rows when ``has_window[j]``, default all) in the prefix cache, written block by block
+        without unpacking. Returns how many of them a prefix lookup now reuses (the layout's hit rule: blocks
+        without the window rows a hit needs do not count; fewer when the pool has no free room; 0 with prefix
+        caching off)."""
         if not self.tiers:
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, "this layout's KV is per-sequence state, not blocks a "
                                  "prefix cache takes (no tier, no pre-copy)")
-        want = [-1, *self.block_shape]
-        if kv.dim() != len(want) or list(kv.shape[1:]) != want[1:] or kv.dtype != self.kv_cache.dtype:
+        shape, packed = self.block_shape, kv.dim() == len(self.block_shape)
+        if (kv.dim() not in (len(shape), len(shape) + 1) or list(kv.shape[-(len(shape) - 1):]) != shape[1:]
+                or (not packed and kv.shape[1] != shape[0]) or kv.dtype != self.kv_cache.dtype):
             raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} does not match "
-                                 f"this engine's blocks {want[1:]} {self.kv_cache.dtype}")
-        has_window = [True] * int(kv.shape[0]) if has_window is None else list(has_window)
-        if len(has_window) != kv.shape[0]:
-            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{len(has_window)} window flags for {kv.shape[0]} blocks")
-        if not self.engine.config.enable_prefix_caching or kv.shape[0] == 0:
+                                 f"this engine's blocks {shape} {self.kv_cache.dtype}")
+        if has_window is None:
+            has_window = [True] * (int(kv.shape[0]) // shape[0] if packed else int(kv.shape[0]))
+        has_window = list(has_window)
+        rows = block_pack.packed_rows(has_window, shape[0], self.full_layers) if packed else len(has_window)
+        if rows != kv.shape[0]:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{len(has_window)} window flags for a run of "
+                                 f"{kv.shape[0]} {'rows' if packed else 'blocks'}")
+        if not self.engine.config.enable_prefix_caching or not has_window:
             return 0
         req = self._scratch_request(prompt_token_ids, cache_salt)
-        count = max(0, min(int(kv.shape[0]), self._reusable_blocks(prompt_token_ids) - first))
+        count = max(0, min(len(has_window), self._reusable_blocks(prompt_token_ids) - first))
         imported = self._bm.import_cached(req, first, count, has_window[:count])
-        kv_cache.scatter(self._kv, imported.rows, kv[:count])
+        if packed:   # the run's leading ``count`` blocks: the rest of it is skipped by its own row counts
+            kv_cache.scatter_packed(self._kv, imported.rows, kv, has_window[:count])
+        else:
+            kv_cache.scatter(self._kv, imported.rows, kv[:count])
         return max(0, imported.num_blocks - first)
 
     def tier_blocks(self, request_id: str, first: int = 0,

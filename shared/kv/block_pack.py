@@ -91,16 +91,21 @@ def pack(blocks: torch.Tensor, has_window: Sequence[bool], window_layers: Sequen
     return blocks.reshape(n * num_layers, *blocks.shape[2:])[keep]
 
 
+def check_packed(packed: torch.Tensor, has_window: Sequence[bool], block_shape: Sequence[int],
+                 num_window_layers: int) -> None:
+    """``transfer_failed`` unless ``packed`` is the packed run of ``has_window`` blocks of ``block_shape``."""
+    want = packed_shape(has_window, block_shape, block_shape[0] - num_window_layers)
+    if list(packed.shape) != want:
+        raise _failed(f"packed KV {list(packed.shape)} does not match {want} for {len(has_window)} blocks")
+
+
 def unpack(packed: torch.Tensor, has_window: Sequence[bool], window_layers: Sequence[int],
            block_shape: Sequence[int]) -> torch.Tensor:
     """``[n, L, 2, kvh, bs, D]`` logical blocks of a packed run; a window row that did not travel reads as
     zeros (an importer never reads it: ``shared/engine/hybrid_kv.py``). ``transfer_failed`` on a shape that
     does not match ``has_window``."""
     num_layers, n = block_shape[0], len(has_window)
-    full_layers = num_layers - len(window_layers)
-    want = packed_shape(has_window, block_shape, full_layers)
-    if list(packed.shape) != want:
-        raise _failed(f"packed KV {list(packed.shape)} does not match {want} for {n} blocks")
+    check_packed(packed, has_window, block_shape, len(window_layers))
     if all(has_window):
         return packed
     out = torch.zeros(n * num_layers, *block_shape[1:], dtype=packed.dtype, device=packed.device)

@@ -81,17 +81,32 @@ class KVGroups:
 
     def scatter(self, full_ids: list[int], window_ids: list[int], blocks: torch.Tensor) -> None:
         """Write logical blocks ``blocks: [n, L, ...]``: row ``j``'s full layers into ``full_ids[j]`` and its
-        window layers into ``window_ids[j]``; an id of -1 (or the null block 0 for windows) skips that part."""
-        dev = self.full.device
-        blocks = blocks.to(device=dev, dtype=self.full.dtype)
-        f = [(j, b) for j, b in enumerate(full_ids) if b >= 0]
-        w = [(j, b) for j, b in enumerate(window_ids) if b > 0]
-        if f and self.full_layers:
-            rows, ids = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*f))
-            self.full[ids] = blocks[rows][:, self._fl]
-        if w and self.window_layers:
-            rows, ids = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*w))
-            self.window[ids] = blocks[rows][:, self._wl]
+        window layers into ``window_ids[j]``; an id of -1 (or the null block 0 for windows) skips that part.
+        Block by block, straight into the pools (no temporaries the size of the run)."""
+        blocks = blocks.to(device=self.full.device, dtype=self.full.dtype)
+        for j, (f, w) in enumerate(zip(full_ids, window_ids)):
+            if f >= 0 and self.full_layers:
+                torch.index_select(blocks[j], 0, self._fl, out=self.full[f])
+            if w > 0 and self.window_layers:
+                torch.index_select(blocks[j], 0, self._wl, out=self.window[w])
+
+    def scatter_packed(self, full_ids: list[int], window_ids: list[int], packed: torch.Tensor,
+                       has_window: list[bool]) -> None:
+        """``scatter`` from a packed run (``shared/kv/block_pack.py``: ``[rows, 2, kvh, bs, D]``, block ``j``'s
+        ``L`` rows in layer order when ``has_window[j]``, else its full layers' rows only) without unpacking it.
+        A block without window rows writes no window block."""
+        packed = packed.to(device=self.full.device, dtype=self.full.dtype)
+        start, nf, nl = 0, len(self.full_layers), self.block_shape[0]
+        for f, w, carried in zip(full_ids, window_ids, has_window):
+            rows = packed[start:start + (nl if carried else nf)]
+            start += nl if carried else nf
+            if f >= 0 and nf:
+                if carried:
+                    torch.index_select(rows, 0, self._fl, out=self.full[f])
+                else:
+                    self.full[f].copy_(rows)
+            if w > 0 and carried and self.window_layers:
+                torch.index_select(rows, 0, self._wl, out=self.window[w])
 
 
 KVCache = torch.Tensor | KVGroups  # one pool (the tensor itself), or one per KV group
@@ -156,6 +171,15 @@ def scatter(kv: KVCache, group_ids: list[list[int]], blocks: torch.Tensor) -> No
     if pairs:
         rows, ids = (torch.tensor(x, dtype=torch.long, device=kv.device) for x in zip(*pairs))
         kv[ids] = blocks.to(kv)[rows]
+
+
+def scatter_packed(kv: KVCache, group_ids: list[list[int]], packed: torch.Tensor, has_window: list[bool]) -> None:
+    """``scatter`` from a packed run (``KVGroups.scatter_packed``); one pool has no window rows to leave out, so
+    its packed run is its logical one."""
+    if isinstance(kv, KVGroups):
+        kv.scatter_packed(*group_ids, packed, has_window)
+    else:
+        scatter(kv, group_ids, packed)
 
 
 def layer_view(kv: KVCache, meta, layer: int):

@@ -171,7 +171,9 @@ def test_migration_equals_full_kv(model, src_swa, dst_swa, after):
     assert got + run(dst, "x")[0] == expected
 
 
-def test_pre_copy_then_switch_equals_full_kv(model):
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_pre_copy_then_switch_equals_full_kv(model, packed):
+    """The pre-copied run imported unpacked, or as it came off the wire (packed: written block by block)."""
     prompt = PROMPTS[2]
     expected = engine(model, swa=False).generate([prompt], GREEDY)[0]
     src, dst = engine(model), engine(model)
@@ -180,7 +182,10 @@ def test_pre_copy_then_switch_equals_full_kv(model):
     ids, tokens, salt = src.kv_port.full_blocks("x")
     payload, n, mask = staged(src, "x", ids, len(ids) * BS)   # a packed run: the released window rows stay home
     assert mask and payload.numel() < n * math.prod(src.kv_port.block_shape)
-    kept = dst.kv_port.import_tier_blocks(tokens, salt, 0, *dst.kv_port.unpack(payload, n, mask))
+    if packed:
+        kept = dst.kv_port.import_tier_blocks(tokens, salt, 0, payload, block_pack.decode_mask(mask, n))
+    else:
+        kept = dst.kv_port.import_tier_blocks(tokens, salt, 0, *dst.kv_port.unpack(payload, n, mask))
     assert kept == len(ids)
     got += run(src, "x", until=3)[0]
     assert src.kv_port.holds_blocks("x", ids)
@@ -207,8 +212,9 @@ def test_handoff_equals_monolithic(model, src_swa, dst_swa, prompt_len):
     assert [first] + run(dst, "y")[0] == expected
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("src_swa,max_tokens,cached", [(True, 1, 36), (False, 1, 36), (True, 20, 0), (False, 20, 36)])
-def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached):
+def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached, packed):
     """A prefill worker's write-back (max_tokens 1) carries the window rows the prompt's end needs: a full hit. A
     decode worker's SWA-aware write-back after 20 more tokens lacks them (released: not sent): no hit (the import
     says so: 0 reusable blocks), still exact."""
@@ -218,12 +224,18 @@ def test_tier_import_is_an_exact_hit(model, src_swa, max_tokens, cached):
     rid = src.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens), hold_kv=True)
     run(src, rid)
     ids, chain, tokens = src.kv_port.tier_blocks(rid)
-    kv, has_window = src.kv_port.unpack(*staged(src, rid, ids))
+    payload, n, mask = staged(src, rid, ids)
+    kv, has_window = src.kv_port.unpack(payload, n, mask)
     src.kv_port.release_held(rid)
     dst = engine(model)
     first, _ = dst.kv_port.missing_blocks(prompt)
     reusable = (len(prompt) - 1) // BS
-    assert first == 0 and dst.kv_port.import_tier_blocks(prompt, "", 0, kv[:reusable], has_window[:reusable]) == cached // BS
+    if packed:   # the whole run as fetched: blocks past the reusable ones are skipped
+        assert payload.dim() == 5 or all(has_window)
+        kept = dst.kv_port.import_tier_blocks(prompt, "", 0, payload, has_window)
+    else:
+        kept = dst.kv_port.import_tier_blocks(prompt, "", 0, kv[:reusable], has_window[:reusable])
+    assert first == 0 and kept == cached // BS
     if cached:
         assert window_held(dst.block_manager, "none") == 0 and dst.kv_port.missing_blocks(prompt)[0] == 9
     rid = dst.add_request(prompt, GREEDY)

@@ -13,6 +13,7 @@ the tier serves only blocks of that digest and build, and a reply naming another
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import itertools
 import logging
@@ -145,8 +146,9 @@ class TierClient:
                                 full_layers=block_shape[0] - len(window_layers) if window_layers else 0)
         reply = None
         try:
+            most = len(want) * math.prod(block_shape) * parse_dtype(dtype).itemsize   # the tier stages, then replies
             msg = await self.nc.request(subjects.cache("get", self.tier_id), protocol.encode(get),
-                                        timeout=self.timeout_s)
+                                        timeout=transfer_timeout(self.timeout_s, most))
             reply = protocol.decode_reply(msg.data, protocol.CacheGetReply)
             if reply.num_blocks == 0:
                 return None

@@ -24,7 +24,6 @@ import sys
 import time
 import urllib.parse
 
-from tqdm import tqdm
 
 from cli import node as cli_node, up as cli_up
 from cli.flags import add_nats_url, check_required
@@ -36,12 +35,12 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling import SamplingParams
 from shared.errors import DeepinferError
+from shared import progress as progress_bars
 
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
-    bar = tqdm(total=0, desc="loading model", unit="tensor", file=sys.stderr, leave=False,
-                disable=not sys.stderr.isatty())
+    bar = progress_bars.bar(0, "loading model", "tensor")
 
     def progress(done: int, total: int) -> None:
         bar.total = total

@@ -20,6 +20,7 @@ import math
 import time
 from bisect import bisect_left
 
+from shared import progress
 from services.router.policy.placement import place_request
 from services.router.policy.profiles import Profile
 from simulator.state import SimRequest, SimWorker
@@ -293,6 +294,10 @@ class Simulation:
             self.push(self.trace[0].arrival_s, _ARRIVAL, 0)
         if self.elastic is not None:
             self.elastic.start()
+        with progress.bar(len(self.trace), "simulating", "req") as shown:
+            self._run_events(shown)
+
+    def _run_events(self, shown) -> None:
         while self.events:
             t, kind, _, data = heapq.heappop(self.events)
             if self.stale(kind, data):
@@ -301,6 +306,7 @@ class Simulation:
             if kind < START:
                 self.last_work_s = t
             if kind == _ARRIVAL:
+                shown.update(1)
                 if data + 1 < len(self.trace):
                     self.push(self.trace[data + 1].arrival_s, _ARRIVAL, data + 1)
                 self.arrive(self.trace[data])

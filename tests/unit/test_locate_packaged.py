@@ -95,3 +95,15 @@ def test_gemma_pin_matches_the_installed_package():
     assert sums.read_text().split() == [model.sha256, model.file_name]
     parts = [Path(importlib.util.find_spec(pkg).submodule_search_locations[0]) / inner for pkg, inner in model.chunks]
     assert sum(os.path.getsize(p) for p in parts) == model.size
+
+
+def test_joining_shows_a_progress_bar_only_where_asked(fake_model, monkeypatch, capsys):
+    """The join draws a bar on stderr when bars are shown (a terminal, or ``DEEPINFER_PROGRESS=1``), and
+    nothing at all when they are not (a pipe, CI)."""
+    monkeypatch.setenv("DEEPINFER_PROGRESS", "0")
+    path = packaged_model_path("fake-1b")
+    assert "joining" not in capsys.readouterr().err
+    path.unlink()
+    monkeypatch.setenv("DEEPINFER_PROGRESS", "1")
+    assert packaged_model_path("fake-1b") == path
+    assert "joining fake-1b" in capsys.readouterr().err

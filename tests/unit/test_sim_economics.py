@@ -94,3 +94,11 @@ def test_the_cli_prints_the_grid_and_refuses_a_bad_spec(tmp_path):
     assert run(parser.parse_args(base + ["--what-if", "pd=oops"]),
                lambda *a, **k: errors.append(" ".join(map(str, a)))) == 2
     assert "prefill:decode" in errors[-1]
+
+
+def test_a_simulation_shows_progress_only_where_asked(trace, monkeypatch, capsys):
+    """``deepinfer simulate`` draws a bar over the trace's requests when bars are shown, nothing otherwise."""
+    for forced, seen in (("0", False), ("1", True)):
+        monkeypatch.setenv("DEEPINFER_PROGRESS", forced)
+        simulate(trace, "cache_aware", num_workers=4, kv_capacity_blocks=400)
+        assert ("simulating" in capsys.readouterr().err) is seen

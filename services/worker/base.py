@@ -15,6 +15,7 @@ import logging
 import os
 
 from shared.host_identity import host_id
+from shared.model.locate import served_model_name
 from shared import protocol, subjects
 from shared.bus import HAND_BACK_WAIT_S, Service, ServiceRuntime, connect, service_main
 from services.worker.config import WorkerConfig
@@ -50,7 +51,8 @@ class Worker(TierMixin, Service):
         self.active: dict[str, tuple[asyncio.Task, str]] = {}  # request id -> (task serving it, reply subject)
         self.tier: TierClient | None = None
         self.spec_log = None
-        self.metrics = WorkerMetrics(config.worker_id, "switchable" if config.switchable else config.role)
+        self.metrics = WorkerMetrics(config.worker_id, "switchable" if config.switchable else config.role,
+                                     model_name=served_model_name(config.model or None))
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry, config.worker_id)
         self._handing_back = False

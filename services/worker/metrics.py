@@ -7,6 +7,7 @@ Two kinds, one registry per worker:
 - Figures read at scrape time from what the worker already counts (``WorkerCollector``): the engine's load
   (running / waiting sequences, KV blocks), the prefix cache's query / hit tokens, preemptions, the cache-tier
   client's counters, speculative decoding's counters, handler errors. Nothing is counted twice.
+- The same figures under vLLM's names (``services/worker/vllm_metrics.py``), labelled ``model_name``.
 
 Invariants: every request ``request_started`` saw is counted exactly once by ``request_ended`` under one
 outcome (``finished``, ``handed_off`` for a prefill whose KV went to a decode worker, ``migrated`` for a decode
@@ -30,6 +31,7 @@ from prometheus_client.registry import Collector
 from shared.metrics.common import (E2E_BUCKETS, OUTCOME_FINISHED, TPOT_BUCKETS, TRANSFER_BUCKETS, TTFT_BUCKETS,
                                    BoundedLabel, counter, counter_by, error_counts, gauge, gauge_by, new_registry,
                                    outcome_label)
+from services.worker.vllm_metrics import VllmRequestMetrics, vllm_engine_metrics
 
 P = "deepinfer_worker"
 OUTCOME_HANDED_OFF = "handed_off"
@@ -38,9 +40,12 @@ FINISH_REASONS = ("stop", "length")  # an engine output finished with these is a
 
 
 class WorkerMetrics:
-    def __init__(self, worker_id: str, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, worker_id: str, role: str, registry: CollectorRegistry | None = None,
+                 model_name: str = "") -> None:
         self.registry = registry if registry is not None else new_registry()
         self.labels = {"worker": worker_id, "role": role}
+        self.vllm_labels = {"model_name": model_name, "worker": worker_id}
+        self.vllm = VllmRequestMetrics(self.registry, self.vllm_labels)
         names, r = list(self.labels), self.registry
         self._requests = Counter(f"{P}_requests", "Requests this worker accepted, by how they ended",
                                  [*names, "outcome"], registry=r)
@@ -69,7 +74,7 @@ class WorkerMetrics:
 
     def watch(self, worker: Any) -> None:
         """Read ``worker``'s own counters at every scrape (see ``WorkerCollector``); call once."""
-        self.registry.register(WorkerCollector(worker, self.labels))
+        self.registry.register(WorkerCollector(worker, self.labels, self.vllm_labels))
 
     # -- events ------------------------------------------------------------------------------------------
     def request_started(self, request_id: str, now: float | None = None) -> None:
@@ -77,6 +82,7 @@ class WorkerMetrics:
 
     def request_ended(self, request_id: str, outcome: str) -> None:
         """Count the request once under ``outcome``; a request never started here is ignored."""
+        self.vllm.forget(request_id)
         if self._started.pop(request_id, None) is None:
             return
         label = outcome if outcome in (OUTCOME_HANDED_OFF, OUTCOME_MIGRATED) else outcome_label(outcome)
@@ -89,6 +95,7 @@ class WorkerMetrics:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
         start = self._started.get(request_id)
+        self.vllm.output(request_id, start, seq, num_tokens, finish_reason, tpot_s, now)
         if start is None:
             return
         if seq == 0:
@@ -101,6 +108,7 @@ class WorkerMetrics:
     def prompt_done(self, prompt_tokens: int, cached_tokens: int, tier_tokens: int) -> None:
         """A prompt prefilled here: its tokens, those served from a cache, those from the cache tier."""
         self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.vllm.prompt_done(prompt_tokens)
         self.prompt_cached_tokens.inc(max(0, min(cached_tokens, prompt_tokens)))
         self.prompt_tier_tokens.inc(max(0, min(tier_tokens, cached_tokens)))
 
@@ -121,8 +129,8 @@ class WorkerCollector(Collector):
     Reads only ints and floats the engine thread writes (racy but safe, as the heartbeat's ``load``); before the
     engine is up it yields nothing."""
 
-    def __init__(self, worker: Any, labels: dict[str, str]) -> None:
-        self.worker, self.labels = worker, labels
+    def __init__(self, worker: Any, labels: dict[str, str], vllm_labels: dict[str, str] | None = None) -> None:
+        self.worker, self.labels, self.vllm_labels = worker, labels, vllm_labels
 
     def collect(self):
         w, lb = self.worker, self.labels
@@ -156,6 +164,8 @@ class WorkerCollector(Collector):
                       bm.num_query_tokens)
         yield counter(f"{P}_prefix_cache_hit_tokens", "Tokens found in the prefix cache", lb, bm.num_hit_tokens)
         yield counter(f"{P}_preemptions", "Sequences preempted (recomputed later)", lb, eng.num_preemptions)
+        if self.vllm_labels is not None:
+            yield from vllm_engine_metrics(self.vllm_labels, load, bm, eng.num_preemptions)
         load_of = getattr(eng.model, "expert_load", None)
         if load_of is not None:   # an MoE model: tokens routed to each expert of each MoE layer
             family = CounterMetricFamily(f"{P}_moe_expert_tokens", "Tokens routed to each expert, by MoE layer "

@@ -4,6 +4,7 @@ request outcomes nothing else exercises (hand-back on drain, client cancel) on a
 import asyncio
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import protocol
 from shared.client import generate, generate_stream
@@ -28,6 +29,22 @@ async def scrape(http: aiohttp.ClientSession, port: int, timeout_s: float = 10.0
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.1)
     raise AssertionError(f"nothing serves /metrics on port {port}")
+
+
+VLLM_TYPES = {   # what vLLM's docs list (and dashboards / KEDA rules / the inference extension read), with types
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+    "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:cache_config_info": "gauge"}
+
+
+async def metric_types(http: aiohttp.ClientSession, port: int) -> dict[str, str]:
+    """``{family name: type}`` of one scrape, as ``prometheus_client``'s parser reads it."""
+    async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        return {f.name: f.type for f in text_string_to_metric_families((await resp.read()).decode())}
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -57,6 +74,7 @@ async def test_workers_and_tier_expose_what_they_served(nats_server, tmp_path):
         async with aiohttp.ClientSession() as http:
             prefill = await scrape(http, cluster.metrics_ports["prefill-0"])
             decode = await scrape(http, cluster.metrics_ports["decode-0"])
+            types = [await metric_types(http, cluster.metrics_ports[w]) for w in ("prefill-0", "decode-0")]
             tier = await scrape(http, cluster.metrics_ports["cache-0"])
             for _ in range(50):  # write-backs reach the tier from a background queue
                 if total(tier, "deepinfer_cache_tier_puts_total") >= 1:
@@ -86,6 +104,21 @@ async def test_workers_and_tier_expose_what_they_served(nats_server, tmp_path):
         assert total(worker, "deepinfer_worker_prefix_cache_query_tokens_total") > 0
         assert total(worker, "deepinfer_worker_tier_up") == 1
         assert total(worker, "process_resident_memory_bytes") > 0
+    for served in types:   # vLLM's names, with vLLM's types, beside deepinfer's
+        assert {name: served.get(name) for name in VLLM_TYPES} == VLLM_TYPES
+    model = {"model_name": folder.name}
+    for worker in (prefill, decode):   # the same figures as deepinfer's own series
+        assert total(worker, "vllm:prompt_tokens_total", **model) == total(worker, "deepinfer_worker_prompt_tokens_total")
+        assert total(worker, "vllm:generation_tokens_total", **model) == \
+            total(worker, "deepinfer_worker_generation_tokens_total")
+        assert total(worker, "vllm:prefix_cache_queries_total") == \
+            total(worker, "deepinfer_worker_prefix_cache_query_tokens_total")
+        assert total(worker, "vllm:num_requests_running") == 0 and total(worker, "vllm:kv_cache_usage_perc") < 1
+    assert total(prefill, "vllm:time_to_first_token_seconds_count") == 3
+    assert total(decode, "vllm:request_success_total", finished_reason="length") == 4
+    assert total(decode, "vllm:request_generation_tokens_count") == 4
+    assert total(decode, "vllm:e2e_request_latency_seconds_count") == 4
+    assert total(decode, "vllm:inter_token_latency_seconds_count") > 0
     assert total(tier, "deepinfer_cache_tier_puts_total") >= 1
     assert total(tier, "deepinfer_cache_tier_blocks", worker="cache-0") >= 1
     assert total(tier, "deepinfer_cache_tier_op_seconds_count", op="put") >= 1

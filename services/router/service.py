@@ -35,6 +35,7 @@ from shared.retention import RetentionPolicy
 from shared.errors import DeepinferError, ErrorCode, invalid
 from services.router.http_api import HttpApi
 from services.router.metrics import RouterMetrics
+from services.router.ledger_metrics import RouterCollector
 from services.router.placement import Placer
 from services.router.migration import Migrator
 from services.router.planner import RouterPlanner
@@ -96,6 +97,7 @@ class RouterService(Service):
                            on_failover=self.metrics.failover, router=(c.worker_id, self.runtime.instance),
                            max_refusals=c.max_refusals, worker_wait_s=c.worker_wait_s)
         self.migrator = Migrator.for_router(self.nc, self.relay, self.table, c, self.runtime.spawn)
+        self.metrics.registry.register(RouterCollector(self))
         await self.runtime.serve(subjects.LOAD_ALL, self.on_load, work=False)
         await self.runtime.serve(subjects.KV_EVENTS, self.on_kv_event, work=False)
         await self.runtime.serve(subjects.GENERATE, self.on_generate, queue="routers")

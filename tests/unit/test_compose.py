@@ -79,8 +79,28 @@ def resolved(request) -> dict:
     return yaml.safe_load(proc.stdout)
 
 
+MONITORING = ("prometheus", "grafana")   # the `monitoring` profile: not deepinfer's image
+
+
 def deepinfer_services(project: dict) -> dict[str, dict]:
-    return {name: s for name, s in project["services"].items() if name != "nats"}
+    return {name: s for name, s in project["services"].items() if name != "nats" and name not in MONITORING}
+
+
+def test_the_monitoring_profile_scrapes_every_service_and_serves_the_dashboard(resolved):
+    """Prometheus and Grafana start only with ``--profile monitoring``; Prometheus scrapes every deepinfer
+    service by its compose DNS name at the port it serves /metrics on (the router's HTTP port, the others'
+    DEEPINFER_METRICS_PORT); Grafana mounts the provisioning and the dashboard the Kubernetes ConfigMap ships."""
+    services = resolved["services"]
+    assert all(services[name]["profiles"] == ["monitoring"] for name in MONITORING)
+    scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {name: sd["port"] for job in scrape for sd in job["dns_sd_configs"] for name in sd["names"]}
+    for name, svc in deepinfer_services(resolved).items():
+        env = environment(svc)
+        want = int(env["DEEPINFER_HTTP_PORT"]) if name == "router" else int(env["DEEPINFER_METRICS_PORT"])
+        assert targets.get(name) == want, name
+    grafana = {target: COMPOSE / source for source, target, _ in mounts(services["grafana"])}
+    assert (grafana["/var/lib/grafana/dashboards"] / "deepinfer-dashboard.json").is_file()
+    assert (grafana["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").is_file()
 
 
 def environment(service: dict) -> dict[str, str]:

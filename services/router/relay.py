@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 
 from shared import protocol, subjects
 from shared.errors import DeepinferError, ErrorCode
+from shared.kv.transport import transfer_timeout
 from shared.wire_fields import MAX_ID_LEN
 from services.router.placement import Placer
 from services.router.workers import InflightAccount, WorkerState, WorkerTable
@@ -260,7 +261,9 @@ class Relay:
         heartbeating (that one is avoided): the stream continues from what the client already has."""
         expected, got_token = 0, False
         work_id = att.work_id
-        watch = _StallWatch(self, work_id, self.stall_probe_s)
+        report = att.decode_w.report   # the prompt's KV a hand-off moves: its staging takes longer the more it is
+        kv_bytes = -(-stream.prompt_len // max(1, report.block_size)) * report.block_bytes
+        watch = _StallWatch(self, work_id, self.stall_probe_s, transfer_timeout(_StallWatch.HANDOFF_LOST_S, kv_bytes))
         while True:
             remaining = stream.deadline - time.monotonic()
             if remaining <= 0:
@@ -318,12 +321,14 @@ class _StallWatch:
     hand-off (the prefill worker's first token is in, ``watched`` is [decode, prefill]), a decode worker that
     does not hold the request while the prefill worker still does, for ``HANDOFF_LOST_S``, never got the
     hand-off (a route not yet back after a link outage): the attempt fails over then, not after the prefill
-    worker's whole hand-off timeout. The decode worker holds a hand-off from its arrival (during the fetch)."""
+    worker's whole hand-off timeout. The decode worker holds a hand-off from its arrival (during the fetch); the
+    prefill worker stages the KV before it sends it, so the wait grows with the prompt's KV bytes (``lost_s``:
+    ``transfer_timeout``; 32K tokens of Gemma 3's KV took more than the fixed 8 s to stage)."""
 
     HANDOFF_LOST_S = 8.0
 
-    def __init__(self, relay: Relay, work_id: str, every_s: float) -> None:
-        self.relay, self.work_id, self.every_s = relay, work_id, every_s
+    def __init__(self, relay: Relay, work_id: str, every_s: float, lost_s: float = HANDOFF_LOST_S) -> None:
+        self.relay, self.work_id, self.every_s, self.lost_s = relay, work_id, every_s, lost_s
         self.next_probe = time.monotonic() + every_s
         self.orphaned = False
         self.unreceived_since: float | None = None
@@ -345,7 +350,7 @@ class _StallWatch:
             self.unreceived_since = None
         elif self.unreceived_since is None:
             self.unreceived_since = now
-        elif now - self.unreceived_since >= self.HANDOFF_LOST_S:
+        elif now - self.unreceived_since >= self.lost_s:
             raise AttemptFailed(ErrorCode.TRANSFER_FAILED, f"the hand-off of {self.work_id} never reached "
                                 f"{worker_ids[0]}", {worker_ids[0]})
 

@@ -166,10 +166,12 @@ class KVPort:
         packed run, ``range(n)`` and its mask. With ``next_query`` (the first position the importer computes), a
         block carries window rows only where that query's window can see it: no row travels unread."""
         if self.carries_state:   # the whole state, packed: ``ids`` are its pages
+            req = self.held.get(request_id) or self.detached.get(request_id) or self.engine.requests[request_id]
+            covered = self._bm.state_of(request_id).num_tokens
+            if covered != req.num_tokens - 1 or len(ids) != self._payload_blocks(covered):
+                raise DeepinferError(ErrorCode.INTERNAL, f"{request_id}'s state covers {covered} tokens, not the "
+                                     f"{req.num_tokens - 1} before its newest ({len(ids)} pages asked)")
             pages = self._bm.pack(request_id)
-            if len(pages) != len(ids):
-                raise DeepinferError(ErrorCode.INTERNAL, f"{request_id}'s state packs to {len(pages)} pages, not "
-                                     f"the {len(ids)} its tokens need")
             return pages, list(range(len(pages))), b""
         group_ids = self._bm.group_block_ids(request_id, list(ids), next_query)
         source, rows, has_window = kv_cache.stage(self._kv, group_ids)

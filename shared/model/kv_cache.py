@@ -82,19 +82,15 @@ class KVGroups:
     def scatter(self, full_ids: list[int], window_ids: list[int], blocks: torch.Tensor) -> None:
         """Write logical blocks ``blocks: [n, L, ...]``: row ``j``'s full layers into ``full_ids[j]`` and its
         window layers into ``window_ids[j]``; an id of -1 (or the null block 0 for windows) skips that part.
-        Block by block, straight into the pools (no temporaries the size of the run)."""
-        blocks = blocks.to(device=self.full.device, dtype=self.full.dtype)
-        for j, (f, w) in enumerate(zip(full_ids, window_ids)):
-            if f >= 0 and self.full_layers:
-                torch.index_select(blocks[j], 0, self._fl, out=self.full[f])
-            if w > 0 and self.window_layers:
-                torch.index_select(blocks[j], 0, self._wl, out=self.window[w])
+        A logical run is the packed run whose every block carries its window rows (``scatter_packed``)."""
+        self.scatter_packed(full_ids, window_ids, blocks.reshape(-1, *blocks.shape[2:]), [True] * len(blocks))
 
     def scatter_packed(self, full_ids: list[int], window_ids: list[int], packed: torch.Tensor,
                        has_window: list[bool]) -> None:
         """``scatter`` from a packed run (``shared/kv/block_pack.py``: ``[rows, 2, kvh, bs, D]``, block ``j``'s
-        ``L`` rows in layer order when ``has_window[j]``, else its full layers' rows only) without unpacking it.
-        A block without window rows writes no window block."""
+        ``L`` rows in layer order when ``has_window[j]``, else its full layers' rows only) without unpacking it:
+        block by block, straight into the pools (no temporaries the size of the run). A block without window rows
+        writes no window block."""
         packed = packed.to(device=self.full.device, dtype=self.full.dtype)
         start, nf, nl = 0, len(self.full_layers), self.block_shape[0]
         for f, w, carried in zip(full_ids, window_ids, has_window):

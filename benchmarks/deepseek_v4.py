@@ -10,7 +10,9 @@ the layer-type pattern, window, ratios, top-k and experts kept), float32: ``shar
 per-sequence state vs transformers' ``DeepseekV4ForCausalLM`` with its cache, the same weights; greedy tokens
 compared; a ``--prompt``-token prefill and ``--tokens`` decode steps, one sequence. Then the same request through
 ``LLMEngine`` (its scheduler, chunked prefill, the per-sequence state manager ``shared/engine/v4_kv.py``): cold,
-and again as a prefix hit (the state snapshot before the prompt's last token).
+and again as a prefix hit (the state snapshot before the prompt's last token), and on a fresh engine as a cache-tier
+hit: the snapshot written as tier blocks (``KVPort.tier_state_run``) and imported (``import_tier_blocks``), the
+import's time counted in the TTFT (no network: the bytes a tier would move are printed).
 
     python benchmarks/deepseek_v4.py            # about 2 min on 2 CPU cores
 """
@@ -29,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.model.hf_loader import read_hf_config
+from shared.model import v4_tier
 from shared.model.v4_state import context_bytes
 
 logger = logging.getLogger("deepseek_v4")
@@ -55,6 +58,13 @@ def bytes_table(transformers) -> None:
                     2 ** 30 / v4, 2 ** 30 / mla_v3)
     logger.info("  a 77K-token context hands off %.0f MiB as V4 state vs %.0f MiB of V3 latents",
                 context_bytes(config, 77_000, 2) / 2 ** 20, 77_000 * 61 * 576 * 2 / 2 ** 20)
+    for bs in (16, 128):   # tier blocks: entry slots per block (HCA's padded below 128), one tail per context
+        shape = v4_tier.block_shape(config, bs)
+        stored = (-(-77_000 // bs) + shape[0] - 1) * shape[1] * 2
+        logger.info("  cache tier, %3d-token blocks: a 77K-token context stores %.0f MiB (%.0f B per token, %.2fx "
+                    "its state; %.0f tokens per GiB), of which the tail %.1f MiB", bs, stored / 2 ** 20,
+                    stored / 77_000, stored / context_bytes(config, 77_000, 2), 2 ** 30 * 77_000 / stored,
+                    (shape[0] - 1) * shape[1] * 2 / 2 ** 20)
 
 
 def speed(args, transformers) -> None:
@@ -130,14 +140,31 @@ def speed(args, transformers) -> None:
 
     engine = LLMEngine(ours, EngineConfig(block_size=16, max_num_batched_tokens=512))
     cold, hit = run_engine(engine), run_engine(engine)
+    from shared.sampling import SamplingParams   # the tier hit: the prompt's snapshot as tier blocks, imported fresh
+    held = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    t0 = time.perf_counter()
+    count, _, _, run, rows, mask = engine.kv_port.tier_state_run(held)
+    split_s = time.perf_counter() - t0
+    engine.kv_port.release_held(held)
+    from shared.kv import block_pack
+    fresh = LLMEngine(ours, EngineConfig(block_size=16, max_num_batched_tokens=512))
+    t0 = time.perf_counter()
+    imported = fresh.kv_port.import_tier_blocks(ids, "", 0, run[rows], block_pack.decode_mask(mask, count))
+    import_s = time.perf_counter() - t0
+    tier = run_engine(fresh)
+    tier = (tier[0], tier[1] + import_s, tier[2], tier[3])
     logger.info("  prefill: deepinfer %.0f tok/s, transformers %.0f tok/s (%.2fx)", args.prompt / ours_p,
                 args.prompt / hf_p, hf_p / ours_p)
     logger.info("  decode:  deepinfer %.1f tok/s, transformers %.1f tok/s (%.2fx); same greedy tokens: %s",
                 (args.tokens - 1) / ours_d, (args.tokens - 1) / hf_d, hf_d / ours_d, ours_tokens == hf_tokens)
-    for name, (tokens, ttft, decode, cached) in (("cold", cold), ("prefix hit", hit)):
+    for name, (tokens, ttft, decode, cached) in (("cold", cold), ("prefix hit", hit), ("tier hit", tier)):
         logger.info("  engine, %s: TTFT %.3f s (%d cached tokens), decode %.1f tok/s; same greedy tokens: %s", name,
                     ttft, cached, (args.tokens - 1) / decode, tokens == ours_tokens)
-    logger.info("  engine prefix hit vs cold TTFT: %.1fx", cold[1] / hit[1])
+    logger.info("  engine prefix hit vs cold TTFT: %.1fx; tier hit vs cold: %.1fx (%d blocks, %.1f MiB of tier "
+                "blocks: written in %.1f ms, imported in %.1f ms)", cold[1] / hit[1], cold[1] / tier[1], imported,
+                run[rows].numel() * run.element_size() / 2 ** 20, split_s * 1e3, import_s * 1e3)
 
 
 def main() -> None:

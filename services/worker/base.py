@@ -90,15 +90,17 @@ class Worker(TierMixin, Service):
         engine = self.aengine.engine
         wanted = [t.strip() for t in c.transports.split(",") if t.strip()]
         offered = [t for t in wanted if t in available_transports()]
-        if c.cache_tier and not engine.kv_port.tiers:   # per-sequence states travel whole, not as blocks
-            logger.warning("%s: %s keeps one KV state per sequence, not blocks a cache tier stores: no cache tier",
-                           c.worker_id, engine.model.config.model_id)
+        codec = codec_for(c.tier_kv_format)
+        if codec is not None and engine.kv_port.carries_state:   # its codec quantises per K/V head rows
+            logger.warning("%s: %s's tier blocks are compressed entries and states: stored in %s, not %s",
+                           c.worker_id, engine.model.config.model_id, engine.kv_port.dtype_name, c.tier_kv_format)
+            codec = None
         self.transports = {t: make_transport(t, self.nc, c.worker_id) for t in offered}
         host = host_id(c.host_id)
-        if c.cache_tier and engine.kv_port.tiers:
+        if c.cache_tier:
             host_transports = {t: tr for t, tr in self.transports.items() if t != "cuda_ipc"}
             self.tier = TierClient(self.nc, c.worker_id, c.cache_tier, host, host_transports, c.tier_timeout_s,
-                                   c.tier_write_queue, codec_for(c.tier_kv_format))
+                                   c.tier_write_queue, codec)
             await self.tier.start()
             await self.tier.warm_staging(engine.kv_port.block_bytes)
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,

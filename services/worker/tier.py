@@ -20,7 +20,7 @@ class TierMixin:
             return None
         eng = self.engine
         first, hashes = await self.aengine.call(lambda: eng.kv_port.missing_blocks(prompt, cache_salt))
-        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_port.block_shape,
+        return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_port.tier_block_shape,
                                     eng.kv_port.dtype_name, cache_salt, retention,
                                     eng.kv_port.window_layers)
 
@@ -47,6 +47,9 @@ class TierMixin:
         if self.tier is None:
             return
         eng = self.engine
+        if eng.kv_port.carries_state:
+            await self._write_state(request_id, first_block, cache_salt, retention, running=False)
+            return
         try:
             ids, hashes, tokens = await self.aengine.call(lambda: eng.kv_port.tier_blocks(request_id, first_block))
             cache, staged, mask = await self.kv_source(request_id, ids)
@@ -65,6 +68,8 @@ class TierMixin:
         eng = self.engine
         if self.tier is None or not (not eng.kv_port.stages_in_place):
             return first_block
+        if eng.kv_port.carries_state:
+            return await self._write_state(request_id, first_block, cache_salt, retention, running=True)
 
         def stage():
             req = eng.requests.get(request_id)
@@ -82,4 +87,23 @@ class TierMixin:
         if ids and await self.tier.write_back(cache, rows, chain, tokens, eng.config.block_size, cache_salt,
                                               retention, mask, eng.kv_port.full_layers, eng.kv_port.block_shape):
             return first_block + len(ids)
+        return first_block
+
+    async def _write_state(self, request_id: str, first_block: int, cache_salt: str, retention: str,
+                           running: bool) -> int:
+        """A state layout's write-back (DeepSeek V4): the request's newest snapshot as tier blocks from
+        ``first_block`` on, staged in one engine command (``KVPort.tier_state_run``). Returns the block index
+        written up to."""
+        eng = self.engine
+        try:
+            staged = await self.aengine.call(lambda: eng.kv_port.tier_state_run(request_id, first_block, running))
+        except DeepinferError as err:   # ended or aborted meanwhile
+            logger.debug("[%s] no write-back: %s", request_id, err)
+            return first_block
+        if staged is None:
+            return first_block
+        count, chain, tokens, run, rows, mask = staged
+        if await self.tier.write_back(run, rows, chain, tokens, eng.config.block_size, cache_salt, retention, mask,
+                                      eng.kv_port.full_layers, eng.kv_port.tier_block_shape):
+            return first_block + count
         return first_block

@@ -34,7 +34,10 @@ A per-sequence state layout (DeepSeek V4, ``shared/engine/v4_kv.py``: a window, 
 groups per layer, no paged pools) travels as one packed state (``shared/model/v4_state.pack``): pages of
 ``block_shape = [page_numel]`` numbers, as many as the state over the request's tokens needs, the whole state at
 once (no pre-copy: no block of it is final while the request runs); the importer restores it whole
-(``V4StateManager.adopt``). Its KV is not content-addressed blocks: no cache tier (``tiers``).
+(``V4StateManager.adopt``). To the cache tier it writes a snapshot at a block boundary as blocks of compressed
+entries with the snapshot's tail (window, pending groups) on the last (``shared/model/v4_tier.py``: the tail rows
+are the packed run's window rows, so the tier stores them as it stores a window layer's), and a pull becomes a
+snapshot in its prefix cache (``tier_state_run``, ``import_tier_blocks``).
 
 Invariants: a detached request is in ``engine.requests`` and ``detached`` and in no scheduler queue; a held one
 is in ``held`` only; ``engine.abort`` of either frees its blocks.
@@ -52,7 +55,7 @@ from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
 from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain
-from shared.model import kv_cache
+from shared.model import kv_cache, v4_tier
 from shared.protocol_work import MAX_GENERATOR_STATE_BYTES
 
 if TYPE_CHECKING:
@@ -113,9 +116,12 @@ class KVPort:
         return self._kv is None
 
     @property
-    def tiers(self) -> bool:
-        """Whether this layout's KV is content-addressed blocks a cache tier can store (not per-sequence states)."""
-        return not self.carries_state
+    def tier_block_shape(self) -> list[int]:
+        """The shape of one block the cache tier stores: the wire block's, or a state layout's tier block
+        (``v4_tier.block_shape``: an entry row and the tail rows)."""
+        if self.carries_state:
+            return v4_tier.block_shape(self.engine.model.config, self.engine.config.block_size)
+        return self.block_shape
 
     @property
     def block_bytes(self) -> int:
@@ -147,12 +153,18 @@ class KVPort:
 
     @property
     def window_layers(self) -> list[int]:
-        """The model's sliding-window layers (the rows a packed block may leave out)."""
+        """The model's sliding-window layers (the rows a packed block may leave out; a state layout's tier block:
+        its tail rows)."""
+        if self.carries_state:
+            return v4_tier.tail_rows(self.engine.model.config, self.engine.config.block_size)
         return [i for i, w in enumerate(self.engine.model.config.layer_sliding_windows) if w is not None]
 
     @property
     def full_layers(self) -> int:
-        """Layer rows of a packed block without its window rows (``shared/kv/block_pack.py``)."""
+        """Layer rows of a packed block without its window rows (``shared/kv/block_pack.py``; a state layout's
+        tier block: its entry row)."""
+        if self.carries_state:
+            return 1
         return self.engine.model.config.num_layers - len(self.window_layers)
 
     def gather(self, request_id: str, ids: list[int]) -> torch.Tensor:
@@ -410,6 +422,8 @@ class KVPort:
         req = self._scratch_request(prompt_token_ids, cache_salt)
         usable = self._reusable_blocks(prompt_token_ids)
         first = min(self._bm.cached_prefix(req), usable) if self.engine.config.enable_prefix_caching else usable
+        if self.carries_state and first < usable:   # a state is rebuilt from every entry up to its boundary
+            first = 0
         return first, BlockChain.of(self.engine.fingerprint, req.block_digests[:usable])
 
     def import_tier_blocks(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
@@ -420,9 +434,8 @@ class KVPort:
         without unpacking. Returns how many of them a prefix lookup now reuses (the layout's hit rule: blocks
         without the window rows a hit needs do not count; fewer when the pool has no free room; 0 with prefix
         caching off)."""
-        if not self.tiers:
-            raise DeepinferError(ErrorCode.TRANSFER_FAILED, "this layout's KV is per-sequence state, not blocks a "
-                                 "prefix cache takes (no tier, no pre-copy)")
+        if self.carries_state:
+            return self._import_tier_state(prompt_token_ids, cache_salt, first, kv, has_window)
         shape, packed = self.block_shape, kv.dim() == len(self.block_shape)
         if (kv.dim() not in (len(shape), len(shape) + 1) or list(kv.shape[-(len(shape) - 1):]) != shape[1:]
                 or (not packed and kv.shape[1] != shape[0]) or kv.dtype != self.kv_cache.dtype):
@@ -446,16 +459,65 @@ class KVPort:
             kv_cache.scatter(self._kv, imported.rows, kv[:count])
         return max(0, imported.num_blocks - first)
 
+    def _import_tier_state(self, prompt_token_ids: list[int], cache_salt: str, first: int, kv: torch.Tensor,
+                           has_window: list[bool] | None) -> int:
+        """A state layout's ``import_tier_blocks``: the run (blocks ``0 ..``, ``v4_tier``'s packed run, or
+        ``[n, *tier_block_shape]`` whole blocks) becomes the snapshot at the end of its last block with a tail
+        within the prompt's reusable blocks; returns that snapshot's blocks (0: none, no room, or ``first > 0``:
+        a state is never rebuilt from part of its entries)."""
+        config, bs, shape = self.engine.model.config, self.engine.config.block_size, self.tier_block_shape
+        whole = kv.dim() == 3 and list(kv.shape[1:]) == shape   # whole blocks: each carries its tail rows
+        if not (whole or kv.dim() == 2 and kv.shape[1] == shape[1]) or kv.dtype != self.dtype:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"tier KV {list(kv.shape)} {kv.dtype} is not a run of "
+                                 f"this engine's DeepSeek V4 tier blocks {shape} {self.dtype}")
+        if whole or has_window is None:
+            has_window = [True] * (int(kv.shape[0]) if whole else int(kv.shape[0]) // shape[0])
+        count = max(0, min(len(has_window), self._reusable_blocks(prompt_token_ids) - first))
+        if first or not self.engine.config.enable_prefix_caching:
+            return 0
+        req = self._scratch_request(prompt_token_ids, cache_salt)
+        ends = [j for j in range(count) if has_window[j]]
+        if ends and self._bm.cached_snapshot(req, ends[-1] + 1):   # imported before (a re-import): kept
+            return ends[-1] + 1
+        try:
+            state = v4_tier.join(kv.to(self.device), has_window, config, bs, count)
+        except ValueError as err:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, str(err)) from None
+        if state is None or not self._bm.adopt_snapshot(req, state):
+            return 0
+        return state.num_tokens // bs
+
+    def tier_state_run(self, request_id: str, first: int = 0, running: bool = False):
+        """A state layout's write-back: ``(blocks, chain, token_ids, run, rows, window_mask)`` of the request's
+        newest snapshot as tier blocks ``first ..`` (``v4_tier.split``: the tail on the last), or None when it has
+        no snapshot past block ``first``. Which requests qualify is ``tier_blocks``'s rule."""
+        req = self._tier_request(request_id, running)
+        req.update_block_hashes()
+        snap = self._bm.tier_snapshot(req)
+        k = 0 if snap is None else len(snap.hashes)
+        if k <= first:
+            return None
+        config, bs = self.engine.model.config, self.engine.config.block_size
+        run = v4_tier.split(snap.state, config, bs, first)
+        chain = BlockChain.of(self.engine.fingerprint, req.block_digests[first:k])
+        return (k - first, chain, req.all_token_ids[first * bs:k * bs], run, list(range(len(run))),
+                block_pack.encode_mask([False] * (k - first - 1) + [True]))
+
+    def _tier_request(self, request_id: str, running: bool) -> Request:
+        engine = self.engine
+        req = self.held.get(request_id) or self.detached.get(request_id) or \
+            (engine.requests.get(request_id) if running else None)
+        if req is None:
+            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+        return req
+
     def tier_blocks(self, request_id: str, first: int = 0,
                     running: bool = False) -> tuple[list[int], BlockChain, list[int]]:
         """``(block_ids, chain, token_ids)`` of a held (or detached, migrating; with ``running`` also a running)
         request's computed full blocks from index ``first`` on; ``token_ids`` is flat, ``block_size`` per block. A
         running request's blocks change at the next step: copy them in the same engine command."""
         engine = self.engine
-        req = self.held.get(request_id) or self.detached.get(request_id) or \
-            (engine.requests.get(request_id) if running else None)
-        if req is None:
-            raise DeepinferError(ErrorCode.INVALID_REQUEST, f"request {request_id!r} holds no KV")
+        req = self._tier_request(request_id, running)
         bs = engine.config.block_size
         req.update_block_hashes()
         full = min(req.num_computed_tokens // bs, len(req.block_hashes))

@@ -28,7 +28,11 @@ the window, entries or pending rows.
 Hand-off and migration: ``pack`` writes a request's whole state as pages of ``page_numel`` numbers (about one
 budget block each; ``shared/model/v4_state.pack``) and ``adopt`` gives an imported request the state read back
 from them, budgeted as its own; a request's state is never split into blocks another engine's prefix cache takes
-(``accepts`` is False, ``import_cached`` refuses: no tier, no pre-copy).
+(``accepts`` is False, ``import_cached`` refuses: no pre-copy).
+
+Cache tier: a write-back stores the request's newest snapshot (``tier_snapshot``) as tier blocks of entries with
+the snapshot's tail on its last block (``shared/model/v4_tier.py``); a pull's blocks become a snapshot again
+(``adopt_snapshot``), which the request's prefix lookup then hits as any snapshot.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from shared.engine.kv_manager import EventSink, ImportedBlocks, KVManager
 from shared.engine.request import Request
 from shared.errors import DeepinferError, ErrorCode
 from shared.model.config import ModelConfig
-from shared.model import v4_state
+from shared.model import v4_state, v4_tier
 from shared.model.v4_state import V4SequenceState
 
 
@@ -79,21 +83,8 @@ def entry_bytes_per_token(config: ModelConfig, element_bytes: int) -> float:
 
 def fixed_bytes(config: ModelConfig, element_bytes: int) -> int:
     """The most bytes a state holds beyond its entries (every layer): a full window, the largest pending group
-    (kv + gate rows) and CSA's overlap series (kv + gate)."""
-    v4, hd = config.v4, config.head_dim
-
-    def compressor(d: int, ratio: int, overlap: bool) -> int:
-        width = 2 * d if overlap else d
-        return 2 * (ratio - 1) * width + (2 * ratio * d if overlap else 0)
-
-    numbers = 0
-    for kind in v4.layer_types:
-        numbers += (v4.sliding_window - 1) * hd
-        if kind == "compressed_sparse_attention":
-            numbers += compressor(hd, v4.csa_ratio, True) + compressor(v4.index_head_dim, v4.csa_ratio, True)
-        elif kind == "heavily_compressed_attention":
-            numbers += compressor(hd, v4.hca_ratio, False)
-    return numbers * element_bytes
+    (kv + gate rows) and CSA's overlap series (kv + gate): a tier block's tail (``v4_tier.tail_numel``)."""
+    return v4_tier.tail_numel(config) * element_bytes
 
 
 class V4StateManager(KVManager):
@@ -251,6 +242,31 @@ class V4StateManager(KVManager):
         self.held_blocks += need
         return True
 
+    # -- cache tier -------------------------------------------------------------------------------
+    def tier_snapshot(self, request: Request) -> Snapshot | None:
+        """The newest snapshot of ``request``'s own tokens (past its prompt, unpublished yet; else the longest
+        prefix-cache entry its tokens hit): what a write-back to the tier stores."""
+        snap = self.newest.get(request.request_id)
+        return snap if snap is not None else self._lookup(request)
+
+    def cached_snapshot(self, request: Request, blocks: int) -> bool:
+        """Whether the prefix cache holds the snapshot at ``request``'s block ``blocks`` boundary (touched)."""
+        h = request.block_hashes[blocks - 1]
+        snap = self.snapshots.get(h)
+        if snap is None or snap.key != block_key(request, blocks - 1):
+            return False
+        self.snapshots.move_to_end(h)
+        return True
+
+    def adopt_snapshot(self, request: Request, state: V4SequenceState) -> bool:
+        """Publish ``state`` (read back from the tier: ``request``'s tokens up to a block boundary) as a
+        prefix-cache entry, evicting older ones for room; whether it is cached now."""
+        k = state.num_tokens // self.block_size
+        if not self.enable_caching or not k or state.num_tokens % self.block_size or len(request.block_hashes) < k:
+            return False
+        self._publish(self._snapshot(request, state))
+        return self.cached_snapshot(request, k)
+
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""
 
@@ -270,12 +286,17 @@ class V4StateManager(KVManager):
         k = state.num_tokens // self.block_size
         if len(request.block_hashes) < k:
             return
-        snap = Snapshot(state, block_key(request, k - 1), list(request.block_hashes[:k]),
-                        -(-state.nbytes() // self.block_bytes))
+        snap = self._snapshot(request, state)
         if state.num_tokens <= request.num_prompt_tokens:
             self._publish(snap)
         else:
             self.newest[request.request_id] = snap
+
+    def _snapshot(self, request: Request, state: V4SequenceState) -> Snapshot:
+        """``state`` (the request's tokens up to a block boundary) as a prefix-cache entry, keyed and budgeted."""
+        k = state.num_tokens // self.block_size
+        return Snapshot(state, block_key(request, k - 1), list(request.block_hashes[:k]),
+                        -(-state.nbytes() // self.block_bytes))
 
     def _publish(self, snap: Snapshot) -> None:
         h = snap.hashes[-1]

@@ -1,9 +1,11 @@
 """DeepSeek V4 (tiny random checkpoint made by transformers) served through the real router and workers over a
 real nats-server. Its KV is one state per sequence (window rows, compressed entries, pending groups): a remote
 prefill hands the whole packed state to the decode worker, and a live migration moves it mid-stream; the bytes
-that moved are the state's (``context_bytes``, under a page of padding), never per-token K/V. A cache tier is left
-out (the state is not content-addressed blocks). Every stream equals the single-process engine's greedy tokens,
-and a repeated prompt hits the decode worker's prefix cache (a block-boundary state snapshot)."""
+that moved are the state's (``context_bytes``, under a page of padding), never per-token K/V. The cache tier
+stores states as blocks of compressed entries with a boundary's tail (``shared/model/v4_tier.py``): with both
+workers' device caches dropped, a repeated prompt and a next turn are tier hits. Every stream equals the
+single-process engine's greedy tokens, and a repeated prompt hits the decode worker's prefix cache (a
+block-boundary state snapshot)."""
 import asyncio
 
 import pytest
@@ -42,7 +44,7 @@ async def test_v4_hands_its_state_off_exactly_and_hits_its_prefix_caches(nats_se
     expected = reference_outputs(folder, ps, TOKENS)
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm,stream",
                                 tier_dir=tmp_path) as cluster:
-        assert all(w.transports and w.tier is None for w in cluster.workers)
+        assert all(w.transports and w.tier is not None for w in cluster.workers)
         nc = await connect(nats_server.url)
         try:
             remote = [await generate(nc, request(p, f"r{i}", mode="remote")) for i, p in enumerate(ps)]
@@ -63,6 +65,50 @@ async def test_v4_hands_its_state_off_exactly_and_hits_its_prefix_caches(nats_se
         assert usage["cached_tokens"] == (len(p) - 1) // 8 * 8, usage
     for p, (_, _, usage) in zip(ps, follow):   # the decode worker's newest snapshot of the first turn
         assert usage["cached_tokens"] == (len(p) + TOKENS - 1) // 8 * 8, usage
+
+
+async def test_v4_states_are_served_from_the_cache_tier_exactly(nats_server, folder, tmp_path):
+    """Prefilled remotely (the prefill worker writes the prompt's boundary state back), device caches dropped, the
+    same prompts on the decode worker are tier hits up to the boundary before their last token; that worker writes
+    back the state its answer ended at (only the blocks after the prompt's), and after another drop the next turn
+    hits there. Every stream exact."""
+    ps = prompts()
+    turns = None
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm,stream",
+                                tier_dir=tmp_path) as cluster:
+        written = lambda: cluster.tier.ledger.as_dict()["total"]["blocks_written"]   # noqa: E731
+
+        def drop_device_caches():
+            for w in cluster.workers:
+                w.engine.block_manager.reset_prefix_cache()
+        nc = await connect(nats_server.url)
+        try:
+            cold = [await generate(nc, request(p, f"c{i}", mode="remote")) for i, p in enumerate(ps)]
+            prompt_blocks = sum((len(p) - 1) // 8 for p in ps)
+            assert await wait_until(lambda: written() >= prompt_blocks, timeout=30), written()
+            drop_device_caches()
+            hit = [await generate(nc, request(p, f"h{i}", mode="local")) for i, p in enumerate(ps)]
+            answer_blocks = sum((len(p) + TOKENS - 1) // 8 for p in ps)
+            assert await wait_until(lambda: written() >= answer_blocks, timeout=30), written()
+            stored = cluster.tier.store.stats()
+            shape = cluster.workers[0].engine.kv_port.tier_block_shape
+            drop_device_caches()
+            turns = [p + ids + [7, 8, 9, 10, 11] for p, (ids, _, _) in zip(ps, cold)]
+            follow = [await generate(nc, request(t, f"t{i}", mode="local")) for i, t in enumerate(turns)]
+        finally:
+            await nc.close()
+    expected = reference_outputs(folder, ps, TOKENS)
+    assert [ids for ids, _, _ in cold] == [ids for ids, _, _ in hit] == expected
+    assert [ids for ids, _, _ in follow] == reference_outputs(folder, turns, TOKENS)
+    for p, (_, _, usage) in zip(ps, hit):
+        assert usage["tier_cached_tokens"] == usage["cached_tokens"] == (len(p) - 1) // 8 * 8, usage
+    for p, (_, _, usage) in zip(ps, follow):
+        assert usage["tier_cached_tokens"] == usage["cached_tokens"] == (len(p) + TOKENS - 1) // 8 * 8, usage
+    # each block's entries stored once, a tail (window, pending groups) at each prompt's and each answer's end
+    tails = sum(len({(len(p) - 1) // 8, (len(p) + TOKENS - 1) // 8}) for p in ps)
+    assert stored["dram_blocks"] == answer_blocks, stored
+    payload = (answer_blocks + tails * (shape[0] - 1)) * shape[1] * 8   # float64 workers
+    assert 0 < stored["dram_bytes"] - payload < answer_blocks * 256, (stored, payload)   # + tokens, digest, build
 
 
 async def test_a_v4_stream_moves_mid_decode_and_stays_exact(nats_server, folder):

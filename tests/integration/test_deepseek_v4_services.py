@@ -71,11 +71,13 @@ async def test_v4_states_are_served_from_the_cache_tier_exactly(nats_server, fol
     """Prefilled remotely (the prefill worker writes the prompt's boundary state back), device caches dropped, the
     same prompts on the decode worker are tier hits up to the boundary before their last token; that worker writes
     back the state its answer ended at (only the blocks after the prompt's), and after another drop the next turn
-    hits there. Every stream exact."""
+    hits there. Every stream exact. The deployment asks for fp8 tier blocks, which V4's do not take: stored in the
+    model dtype."""
     ps = prompts()
     turns = None
     async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm,stream",
-                                tier_dir=tmp_path) as cluster:
+                                tier_dir=tmp_path, tier_kv_format="fp8") as cluster:
+        assert all(w.tier is not None and w.tier.codec is None for w in cluster.workers)
         written = lambda: cluster.tier.ledger.as_dict()["total"]["blocks_written"]   # noqa: E731
 
         def drop_device_caches():

@@ -32,7 +32,7 @@ class ClusterSpec:
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     swa_kv_context: int = 0  # the workers' --swa-kv-context (0 = the engine's default)
     tier_kv_format: str = ""  # the workers' --tier-kv-format ("" = blocks in the model's dtype)
-    scheduling_policy: str = "fcfs"  # the workers' --scheduling-policy
+    scheduling_policy: str = "priority"  # the workers' --scheduling-policy
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"

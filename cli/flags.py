@@ -86,7 +86,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-kv-format", default="", choices=["", "fp8", "int8"],
                         help="KV blocks to and from the cache tier compressed: fp8 (e4m3) or int8 with a scale per "
                              "layer row, K/V half and head (default: the model's dtype)")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+    parser.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority"],
                         help="the engines' waiting order and preemption: fcfs, or priority (a request's "
                              "`priority`, lower first, then arrival; a higher class preempts a lower one's KV)")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")

@@ -103,6 +103,8 @@ class GenerateRequest(WireModel):
     retention: str = ""             # cache retention class; "" = by API (messages: chat, else the prompt class)
     speculative: bool | None = None  # speculative decoding on/off for this request; None = deployment default
     priority: int = 0               # lower runs first on workers scheduling by priority (vLLM's field)
+    slo_class: str = ""             # the deployment's SLO class (shared/slo_classes.py); "" = by tier, tenant, default
+    service_tier: str = ""          # OpenAI's: priority | flex | default | auto (mapped to an SLO class)
     # resuming a stream whose router died (shared/client.py): the tokens the client already has, and the seq its
     # next chunk must carry; the router continues after them as after a failover
     resume_tokens: list[int] = wire_field(default_factory=list, max_len=MAX_PROMPT_TOKENS)
@@ -125,6 +127,8 @@ class GenerateRequest(WireModel):
         require(len(self.resume_tokens) < self.max_tokens or not self.resume_tokens,
                  "field 'resume_tokens': must be fewer than max_tokens")
         check_id("retention", self.retention, allow_empty=True)
+        check_id("slo_class", self.slo_class, allow_empty=True)
+        check_id("service_tier", self.service_tier, allow_empty=True)
         require("~" not in self.request_id, "field 'request_id': '~' is reserved (failover attempt ids)")
         check_id("cache_salt", self.cache_salt, allow_empty=True)
         forms = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))

@@ -8,6 +8,7 @@ from services.router.policy.policies import POLICIES
 from services.router.policy.profiles import PROFILES
 from shared.config import ServiceConfig
 from shared.retention import DEFAULT_SPEC, RetentionPolicy, shortest_durable
+from shared.slo_classes import SloClasses, parse_tenant_classes
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -42,7 +43,10 @@ class RouterConfig(ServiceConfig):
     tenant_weights: str = ""  # fair shares of dispatch slots, "acme=2,beta=0.5" (others 1; the plain API is "")
     dispatch_window: int = 0  # requests on workers at once: 0 = the decode workers' max_num_seqs, -1 = unlimited
     policy: str = "predictive"  # round_robin | least_loaded | cache_aware | kv_cost | predictive
-    ttft_slo_s: float = 0.0  # > 0: reject (overloaded) requests whose predicted TTFT exceeds it
+    ttft_slo_s: float = 0.0  # > 0: the default SLO class's TTFT target, if its spec sets none
+    slo_classes: str = ""  # the deployment's SLO classes (shared/slo_classes.py; "" = interactive, standard, batch)
+    default_slo_class: str = "standard"  # the class of a request that names none (by slo_class, tier or tenant)
+    tenant_classes: str = ""  # "acme=interactive,etl=batch": a tenant's class, also the most urgent it may ask for
     profile: str = "smollm2-cpu"  # step-time model the policies predict with (services/router/policy/profiles.py)
     block_size: int = 16  # the workers' KV block size (tokens), for the profile's per-block transfer time
     drain_grace_s: float = 20.0  # on SIGTERM: how long relayed streams may finish before being cancelled
@@ -90,6 +94,10 @@ class RouterConfig(ServiceConfig):
                 or self.planner_interval_s <= 0 or self.planner_scaler not in ("none", "kubernetes", "launcher")):
             raise ValueError("invalid router config")
         parse_weights(self.tenant_weights)  # raises on a bad spec
+        slo = SloClasses.from_spec(self.slo_classes, self.default_slo_class)
+        unknown = {c for c in parse_tenant_classes(self.tenant_classes).values() if c not in slo.classes}
+        if unknown:
+            raise ValueError(f"tenant_classes names unknown SLO classes {sorted(unknown)} (known: {slo.names})")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.tool_call_parser not in ("", "hermes", "llama3_json"):

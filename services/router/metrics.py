@@ -64,6 +64,12 @@ class RouterMetrics:
         self.tier_tokens = Counter(f"{P}_tier_cached_prompt_tokens", "Of the cached prompt tokens, those pulled "
                                    "from the cache tier", registry=r)
         self.completion_tokens = Counter(f"{P}_completion_tokens", "Tokens generated for clients", registry=r)
+        self.class_ttft = Histogram(f"{P}_class_ttft_seconds", "TTFT by SLO class", ["slo_class"],
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self._slo = Counter(f"{P}_slo_requests", "Finished requests by SLO class and whether they met its TTFT "
+                            "and TPOT targets (met | missed | none: the class sets none)",
+                            ["slo_class", "ttft", "tpot"], registry=r)
+        self._class = BoundedLabel("slo_class", cap=16)
         self._reason = BoundedLabel("reason", cap=16)
         self._role = BoundedLabel("role", cap=8)
         self._worker_keys: set[tuple[str, str]] = set()
@@ -93,6 +99,17 @@ class RouterMetrics:
             self.cached_tokens.inc(cached)
             self.tier_tokens.inc(min(_count(usage, "tier_cached_tokens"), cached))
             self.completion_tokens.inc(_count(usage, "completion_tokens"))
+
+    def class_finished(self, slo_class: str, ttft_s: float | None, tpot_s: float | None, ttft_target: float,
+                       tpot_target: float) -> None:
+        """A finished request of ``slo_class`` against its targets (0: none)."""
+        name = self._class(slo_class)
+        if ttft_s is not None and ttft_s >= 0:
+            self.class_ttft.labels(slo_class=name).observe(ttft_s)
+
+        def verdict(value: float | None, target: float) -> str:
+            return "none" if not target else "met" if value is not None and value <= target else "missed"
+        self._slo.labels(slo_class=name, ttft=verdict(ttft_s, ttft_target), tpot=verdict(tpot_s, tpot_target)).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=self._reason(reason)).inc()

@@ -45,7 +45,8 @@ from shared.sampling import MAX_LOGPROBS
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
 _NUMBER = (int, float)
-_EXTRAS = {"retention": str, "speculative": bool, "priority": int, "prefill_mode": str, "top_k": int, "min_tokens": int,
+_EXTRAS = {"retention": str, "slo_class": str, "service_tier": str, "speculative": bool, "priority": int,
+           "prefill_mode": str, "top_k": int, "min_tokens": int,
            "ignore_eos": bool, "stop_token_ids": list, "cache_salt": str, "timeout_s": _NUMBER,
            "min_p": _NUMBER, "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
            "repetition_penalty": _NUMBER, "logit_bias": dict, "allowed_token_ids": list,
@@ -310,6 +311,8 @@ def usage_block(usage: dict | None) -> dict:
              "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0) or 0)}}
     if usage.get("retention"):   # deepinfer's: the cache retention class the request got
         block["retention"] = usage["retention"]
+    if usage.get("slo_class"):   # deepinfer's: the SLO class the request ran in
+        block["slo_class"] = usage["slo_class"]
     return block
 
 

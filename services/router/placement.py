@@ -29,22 +29,24 @@ def worker_view(state: WorkerState) -> WorkerView:
 
 
 class Placer:
-    def __init__(self, policy: str, table: WorkerTable, index, cost: CostModel, local_prefill_threshold: int,
-                 ttft_slo_s: float | None) -> None:
+    def __init__(self, policy: str, table: WorkerTable, index, cost: CostModel, local_prefill_threshold: int) -> None:
         kwargs = {"local_prefill_tokens": local_prefill_threshold} if policy == "predictive" else {}
         self.policy = make_policy(policy, **kwargs)
         self.table, self.index, self.cost = table, index, cost
-        self.threshold, self.ttft_slo_s = local_prefill_threshold, ttft_slo_s
+        self.threshold = local_prefill_threshold
         self.model = ServingModel()
 
     def place(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str, mode: str,
               transport: str = "", exclude: Collection[str] = (), fingerprint: str | None = None,
-              holders: dict[str, int] | None = None) -> tuple[WorkerState | None, WorkerState, str | None, str]:
+              holders: dict[str, int] | None = None,
+              ttft_slo_s: float | None = None) -> tuple[WorkerState | None, WorkerState, str | None, str]:
         """``(prefill worker or None for local prefill, decode worker, KV transport or None, model fingerprint)``;
         raises ``unavailable`` or ``overloaded``. Only workers of one build are considered: ``fingerprint`` (a
         failover continuation's) while it has a decode worker, else the serving one. Workers in ``exclude`` (a
         failed attempt's) are avoided while that build has others in their role. ``holders``: ``{worker: prompt
-        tokens}`` the router knows a worker holds though its KV events have not said so yet (a sibling choice)."""
+        tokens}`` the router knows a worker holds though its KV events have not said so yet (a sibling choice).
+        ``ttft_slo_s``: the request's TTFT target (its SLO class's; None: none): a placement predicted to miss it
+        is ``overloaded``."""
         alive = self.table.placeable("decode")
         if not alive:
             raise DeepinferError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
@@ -62,7 +64,7 @@ class Placer:
                            overlap=overlap,
                            remote_overlap=self.index.tier_overlap(hashes, "cache_tier"),
                            cost=self.tier_cost(prefill + decode))
-        info = RequestInfo(request_id, len(prompt), tuple(hashes), max_tokens, self.ttft_slo_s)
+        info = RequestInfo(request_id, len(prompt), tuple(hashes), max_tokens, ttft_slo_s)
         decision = place_request(self.policy, info, view, mode, self.threshold, transport)
         if isinstance(decision, Reject):
             code = ErrorCode.OVERLOADED if decision.reason.startswith("overloaded") else ErrorCode.UNAVAILABLE

@@ -80,12 +80,15 @@ class Stream:
     max_tokens: int = 0  # the request's, for the tokens it still has to go
     holders: dict[str, int] = dataclasses.field(default_factory=dict)  # Placer.place's: a sibling choice's worker
     retention: str = ""  # the retention class the request got (its own or the API's default), told in usage
+    slo_class: str = ""  # the SLO class it runs in (shared/slo_classes.py), told in usage
+    ttft_target_s: float | None = None  # refuse placements predicted to start later than this (None: never)
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:
         """The last worker's ``usage`` made the whole stream's (prompt, tokens, TTFT across attempts)."""
         return {**usage, "prompt_tokens": self.prompt_len, "completion_tokens": completion_tokens,
                 "ttft_ms": (self.ttft_s or 0.0) * 1000.0, "failovers": failovers,
                 **({"retention": self.retention} if self.retention else {}),
+                **({"slo_class": self.slo_class} if self.slo_class else {}),
                 **({"resumed": 1} if self.resumed else {}), **({"migrations": self.migrations} if self.migrations
                                                               else {})}
 
@@ -174,7 +177,8 @@ class Relay:
         await self._await_workers(stream, ("decode", "prefill") if req.prefill_mode == "remote" else ("decode",))
         prefill_w, decode_w, transport, build = self.placer.place(
             work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
-            exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders)
+            exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders,
+            ttft_slo_s=stream.ttft_target_s)
         stream.fingerprint = build
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)

@@ -43,7 +43,9 @@ from services.router.stats import router_stats
 from services.router.relay import Relay, Stream
 from services.router.choices import serve_choices
 from services.router.tokenize import load_tokenizer, prompt_token_ids
-from services.router.fair_gate import FairGate, TenantLimit
+from services.router.fair_gate import FairGate, Shed, TenantLimit
+from shared.sampling import MAX_PRIORITY
+from shared.slo_classes import SloClass, SloClasses, parse_tenant_classes
 from services.router.tenancy import tenant_salt
 from services.router.workers import WorkerTable
 from services.router.policy.kv_index import KVIndex
@@ -61,7 +63,7 @@ class RouterService(Service):
         self.index = KVIndex()
         self.placer = Placer(config.policy, self.table, self.index,
                              get_profile(config.profile).cost_model(config.block_size),
-                             config.local_prefill_threshold, config.ttft_slo_s or None)
+                             config.local_prefill_threshold)
         self._resyncing: set[str] = set()
         self._unknown_in_index: set[str] = set()  # index workers with no table entry at the last sweep
         self.tokenizer = None
@@ -77,6 +79,8 @@ class RouterService(Service):
         self.http: HttpApi | None = None
         self._draining = False
         self.retention_classes = frozenset(RetentionPolicy.from_spec(config.retention).ttl_s)
+        self.slo = SloClasses.from_spec(config.slo_classes, config.default_slo_class, config.ttft_slo_s)
+        self.tenant_classes = parse_tenant_classes(config.tenant_classes)
         self.metrics = RouterMetrics(table=self.table)
         self.gate = FairGate(self._dispatch_window, config.tenant_max_inflight or max(1, config.max_inflight // 2),
                              parse_weights(config.tenant_weights))
@@ -231,7 +235,14 @@ class RouterService(Service):
             finally:
                 self.relays.pop(rid, None)
                 self.owners.pop(rid, None)
-        if len(self.relays) >= self.config.max_inflight:
+        try:
+            klass = self.slo.resolve(req.slo_class, req.service_tier, self.tenant_classes.get(tenant or "", ""))
+        except DeepinferError as err:
+            await send(protocol.TokenChunk.from_error(rid, 0, err))
+            return
+        req = dataclasses.replace(req, slo_class=klass.name, priority=max(-MAX_PRIORITY, min(
+            MAX_PRIORITY, req.priority + klass.priority)))
+        if len(self.relays) >= self.config.max_inflight and not self.gate.shed_for(req.priority):
             self.metrics.rejected("max_inflight")
             await send(protocol.TokenChunk.from_error(rid, 0, DeepinferError(
                 ErrorCode.OVERLOADED, f"more than {self.config.max_inflight} requests in flight")))
@@ -240,7 +251,7 @@ class RouterService(Service):
         self.owners[rid] = (api, tenant)
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
                         next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens),
-                        holders=dict(holders or {}))
+                        holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self._ttft_target(klass))
         self.metrics.request_started(api)
         outcome = "finished"
         try:
@@ -259,7 +270,8 @@ class RouterService(Service):
                 else DeepinferError(ErrorCode.CANCELLED, "cancelled"))
             outcome = err.code.value
             if err.code == ErrorCode.OVERLOADED:
-                self.metrics.rejected("tenant_limit" if isinstance(err, TenantLimit) else "predicted_ttft")
+                self.metrics.rejected("tenant_limit" if isinstance(err, TenantLimit) else
+                                      "shed" if isinstance(err, Shed) else "predicted_ttft")
             await send(protocol.TokenChunk.from_error(rid, stream.next_seq, err))
         finally:
             self.relays.pop(rid, None)
@@ -268,6 +280,17 @@ class RouterService(Service):
             tpot = usage.get("tpot_ms")
             self.metrics.request_finished(api, outcome, stream.ttft_s, tpot / 1000.0 if tpot else None,
                                           time.monotonic() - stream.t0, stream.usage)
+            if outcome == "finished":
+                self.metrics.class_finished(klass.name, stream.ttft_s, tpot / 1000.0 if tpot else None, klass.ttft_s,
+                                            klass.tpot_s)
+
+    def _ttft_target(self, klass: SloClass) -> float | None:
+        """The TTFT a placement must be predicted to meet, else ``overloaded``: the class's target, for classes no
+        more urgent than the default (the prediction counts every request queued on a worker, and a more urgent
+        class is scheduled ahead of the less urgent ones among them); None: no target."""
+        if not klass.ttft_s or klass.priority < self.slo.classes[self.slo.default].priority:
+            return None
+        return klass.ttft_s
 
     def _retention(self, req: protocol.GenerateRequest) -> str:
         """The request's retention class: its own, else the deployment's default for its API."""

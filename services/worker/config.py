@@ -23,7 +23,7 @@ class WorkerConfig(ServiceConfig):
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
-    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting and preemption by (priority, arrival)
+    scheduling_policy: str = "priority"  # fcfs | priority: waiting and preemption by (priority, arrival)
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"  # offered (when available here), in preference order
     heartbeat_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)

@@ -267,6 +267,23 @@ class BlockManager(KVManager):
         if stored and self.event_sink is not None:
             self.event_sink("stored", stored)
 
+    def withdraw_uncomputed(self, request: Request, num_tokens: int) -> None:
+        held = self.req_to_blocks.get(request.request_id, [])
+        keep = num_tokens // self.block_size
+        start = self.num_registered.get(request.request_id, 0)
+        removed = []
+        for i in range(keep, min(start, len(held))):
+            block = self.blocks[held[i]] if held[i] != self.null else None
+            if block is not None and block.block_hash is not None and block.ref_cnt == 1 \
+                    and self.cached.get(block.block_hash) == block.block_id:   # this request's own, unread
+                del self.cached[block.block_hash]
+                removed.append(block.block_hash)
+                block.block_hash, block.key = None, None
+        if request.request_id in self.num_registered:
+            self.num_registered[request.request_id] = min(start, keep)
+        if removed and self.event_sink is not None:
+            self.event_sink("removed", removed)
+
     def cached_prefix(self, request: Request) -> int:
         """How many leading full blocks of ``request`` the prefix cache holds now (read-only: no stats)."""
         return len(self.lookup(request, len(request.block_hashes)))

@@ -274,6 +274,10 @@ class HybridBlockManager(KVManager):
         self.full.publish_computed(request, num_tokens)
         self.win.publish_computed(request, num_tokens)
 
+    def withdraw_uncomputed(self, request: Request, num_tokens: int) -> None:
+        self.full.withdraw_uncomputed(request, num_tokens)
+        self.win.withdraw_uncomputed(request, num_tokens)
+
     def reset_prefix_cache(self) -> None:
         self.full.reset_prefix_cache()
         self.win.reset_prefix_cache()

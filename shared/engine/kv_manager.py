@@ -108,6 +108,12 @@ class KVManager(abc.ABC):
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Publish the full blocks among the request's first ``num_tokens`` tokens (KV computed)."""
 
+    @abc.abstractmethod
+    def withdraw_uncomputed(self, request: Request, num_tokens: int) -> None:
+        """Take out of the prefix cache the request's blocks published for this step beyond the full blocks of
+        its first ``num_tokens`` tokens (``allocate_slots`` publishes a step's blocks before the step writes their
+        KV): for a request leaving the step after its allocation (preempted for a more urgent one)."""
+
     # -- tables and the prefix cache ---------------------------------------------------------------
     @abc.abstractmethod
     def block_ids(self, request_id: str) -> list[int]:

@@ -16,8 +16,8 @@ the waiting queue to be recomputed later (its output tokens are kept: recompute 
 Policies (vLLM's): ``fcfs`` as above. ``priority``: ``waiting`` and ``running`` are kept in (``params.priority``,
 arrival) order — lower priority values first, arrival order within one — so the token budget goes to the
 highest class first and the preemption victim is the lowest-priority, latest-arrived running request; a waiting
-request that finds no room preempts running requests of a strictly lower priority (lowest first, taking back
-their budget if they were scheduled this step) until it fits. With every priority equal it schedules exactly as
+request that finds no room — no KV, or no seat among ``max_num_seqs`` — preempts running requests of a strictly
+lower priority (lowest first, taking back their budget if they were scheduled this step) until it fits. With every priority equal it schedules exactly as
 ``fcfs`` does (``tests/unit/test_priority_scheduling.py``).
 """
 from __future__ import annotations
@@ -161,8 +161,13 @@ class Scheduler:
         if out.preempted:
             return out  # memory is tight: admit nobody this step
         now = time.perf_counter()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:   # no seat: only a more urgent request takes one back
+                if not (self.by_priority and self._preempt_for(req, out)):
+                    break
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                continue
             if req.reimport is not None:
                 req.reimport()
             # prompt logprobs need every prompt position's logits: no cached prefix
@@ -195,7 +200,9 @@ class Scheduler:
         if not self.running or self.key(self.running[-1])[0] <= self.key(req)[0]:
             return False
         victim = self.running.pop()
-        out.scheduled = [s for s in out.scheduled if s.request is not victim]
+        if any(s.request is victim for s in out.scheduled):   # its blocks for this step were published unwritten
+            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+            self.bm.withdraw_uncomputed(victim, victim.num_computed_tokens)
         self._preempt(victim)
         out.preempted.append(victim.request_id)
         return True

@@ -270,6 +270,9 @@ class V4StateManager(KVManager):
     def publish_computed(self, request: Request, num_tokens: int) -> None:
         """Nothing to do: snapshots are taken by the model inside steps (``checkpoint``)."""
 
+    def withdraw_uncomputed(self, request: Request, num_tokens: int) -> None:
+        """Nothing to do: a snapshot is published only once the step computed it."""
+
     # -- snapshots ---------------------------------------------------------------------------------
     def mark(self, request_id: str, state: V4SequenceState) -> None:
         """Keep ``state``, the request's state after one row of this step's verification, to roll back to

@@ -193,3 +193,77 @@ async def test_a_freed_slot_goes_to_the_most_urgent_priority_then_by_tenant_shar
         await run.settle()
     await run.release_all()
     assert run.order == ["first", "chat-a", "chat-b", "chat-a2", "batch-0", "batch-1", "batch-2"]
+
+
+async def test_an_urgent_request_dispatches_beyond_a_window_full_of_less_urgent_ones():
+    """Window 2 full of batch streams: interactive requests take slots at once (the engines preempt a batch
+    sequence for each) while fewer than the window are as urgent, never past twice the window; requests of the
+    batch streams' priority wait."""
+    gate = FairGate(lambda: 2, tenant_max=16)
+    run = Run(gate)
+    for i in range(2):
+        run.start(f"batch-{i}", "etl", priority=1_000_000)
+    run.start("batch-late", "etl", priority=1_000_000)
+    await run.settle()
+    assert run.order == ["batch-0", "batch-1"] and gate.num_waiting == 1
+    for i in range(3):
+        run.start(f"chat-{i}", "app", priority=-1_000_000)
+    await run.settle()
+    assert run.order == ["batch-0", "batch-1", "chat-0", "chat-1"] and gate.dispatched == 4   # 2 * window
+    run.release["batch-0"].set()
+    await run.settle()
+    assert "chat-2" not in run.order and gate.dispatched == 3   # two as urgent are dispatched: the window's worth
+    run.release["chat-0"].set()
+    await run.settle()
+    assert run.order[-1] == "chat-2" and gate.dispatched == 3
+    run.release["chat-1"].set()
+    await run.settle()
+    assert "batch-late" not in run.order   # chat-2 and batch-1 hold the window
+    run.release["batch-1"].set()
+    await run.settle()
+    assert run.order[-1] == "batch-late"
+    await run.release_all()
+    assert gate.dispatched == 0 and gate.dispatched_at == {} and gate.num_waiting == 0
+
+
+async def test_a_full_router_sheds_the_least_urgent_waiting_request_for_a_more_urgent_one():
+    gate = FairGate(lambda: 1, tenant_max=16)
+    run = Run(gate)
+    run.start("running", "etl", priority=5)
+    first = run.start("batch-early", "etl", priority=5)
+    late = run.start("batch-late", "etl", priority=5)
+    await run.settle()
+    assert not gate.shed_for(5)                       # nothing waiting is less urgent than 5
+    assert gate.shed_for(0)                           # the latest of the least urgent waiters goes
+    await run.settle()
+    with pytest.raises(DeepinferError) as err:
+        await late
+    assert err.value.code == ErrorCode.OVERLOADED and "more urgent" in str(err.value)
+    assert not first.done() and gate.num_waiting == 1 and gate.held["etl"] == 2
+    assert gate.shed_for(0) and not gate.shed_for(0)   # batch-early goes; then nobody waits
+    with pytest.raises(DeepinferError):
+        await first
+    run.tasks = [t for t in run.tasks if t not in (first, late)]
+    await run.release_all()
+    assert run.order == ["running"] and gate.dispatched == 0 and gate.held == {} and gate.num_waiting == 0
+
+
+async def test_a_tenant_at_its_limit_sheds_its_own_least_urgent_waiting_request():
+    gate = FairGate(lambda: 1, tenant_max=2)
+    run = Run(gate)
+    run.start("running", "app", priority=5)
+    waiting = run.start("batch", "app", priority=5)
+    other = run.start("other-tenant", "etl", priority=9)
+    await run.settle()
+    with pytest.raises(DeepinferError) as err:   # as urgent as its waiting one: over the limit
+        async with gate.slot("app", time.monotonic() + 5, 5):
+            pass
+    assert err.value.code == ErrorCode.OVERLOADED and "limit" in str(err.value)
+    run.start("chat", "app", priority=-1)
+    await run.settle()
+    with pytest.raises(DeepinferError, match="more urgent"):
+        await waiting
+    assert run.order == ["running", "chat"] and not other.done()   # another tenant's waiter is not touched
+    run.tasks.remove(waiting)
+    await run.release_all()
+    assert gate.held == {} and gate._shed == {}

@@ -7,6 +7,7 @@ from services.router.api_keys import ApiKeys, parse_api_keys
 from services.router.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, choice_body, chunk_error, error_body,
                                         full_response, merged_usage, parse_call, stream_events, usage_event)
 from services.router.tenancy import tenant_salt
+from services.router.openai_api import usage_block
 from shared import protocol
 from shared.errors import DeepinferError, ErrorCode
 
@@ -22,6 +23,9 @@ def test_completion_body_maps_every_parameter():
     assert (r.retention, r.speculative, r.prefill_mode, r.top_k, r.ignore_eos, r.min_tokens) == (
         "agent", False, "local", 4, True, 2)
     assert r.stop_token_ids == [5] and r.cache_salt == "" and r.sampling().priority == -3
+    tiers = parse_call({"prompt": "x", "service_tier": "flex", "slo_class": "batch"}, chat=False).request
+    assert (tiers.service_tier, tiers.slo_class) == ("flex", "batch")
+    assert usage_block({"prompt_tokens": 1, "slo_class": "batch"})["slo_class"] == "batch"
     assert call.stream and call.include_usage and call.user == "u1" and call.model == "m" and not call.chat
     assert parse_call({"prompt": [1, 2, 3]}, chat=False).request.prompt_token_ids == [1, 2, 3]
     assert parse_call({"prompt": ["one"]}, chat=False).request.prompt == "one"

@@ -83,16 +83,75 @@ def test_waiting_requests_start_by_priority_then_arrival(model):
     eng = engine(model, "priority", max_num_seqs=1)
     order = []
     eng.add_request(prompt(1), params(9, max_tokens=3), request_id="early-batch")
-    eng.step()   # it runs: a seat is not taken back (only KV pressure preempts)
+    eng.step()   # it runs; the seat is taken back by the first more urgent arrival
     for rid, priority in (("batch", 9), ("chat-a", 0), ("batch-2", 9), ("chat-b", 0)):
         eng.add_request(prompt(len(rid)), params(priority, max_tokens=3), request_id=rid)
     while eng.has_unfinished():
         for o in eng.step():
             if o.finished:
                 order.append(o.request_id)
-    assert order == ["early-batch", "chat-a", "chat-b", "batch", "batch-2"]
+    assert order == ["chat-a", "chat-b", "early-batch", "batch", "batch-2"]
+    assert eng.num_preemptions == 1
     fcfs = engine(model, "fcfs", max_num_seqs=1)
     with pytest.raises(DeepinferError, match="priority"):
         fcfs.add_request(prompt(1), SamplingParams(priority=2**31))
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="edf")
+
+
+def test_a_more_urgent_arrival_takes_a_seat_back_and_all_end_exact(model):
+    """``max_num_seqs`` seats all taken by less urgent sequences (KV to spare): an urgent arrival preempts the
+    latest of them for its seat at once; an arrival of equal priority waits; every sequence ends exact."""
+    reference = engine(model, "fcfs")
+    want = {rid: reference.generate([prompt(i)], params())[0] for i, rid in enumerate(["b0", "b1", "same", "chat"])}
+    eng = engine(model, "priority", max_num_seqs=2)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    for i, rid in enumerate(["b0", "b1"]):
+        eng.add_request(prompt(i), params(priority=1_000_000), request_id=rid)
+    for _ in range(5):
+        step()
+    eng.add_request(prompt(2), params(priority=1_000_000), request_id="same")
+    step()
+    assert [r.request_id for r in eng.scheduler.running] == ["b0", "b1"] and eng.num_preemptions == 0
+    eng.add_request(prompt(3), params(priority=-1_000_000), request_id="chat")
+    step()
+    assert [r.request_id for r in eng.scheduler.running] == ["chat", "b0"] and "chat" in got
+    assert [r.request_id for r in eng.scheduler.waiting] == ["b1", "same"] and eng.num_preemptions == 1
+    while eng.has_unfinished():
+        step()
+    assert got == want
+
+
+@pytest.mark.parametrize("steps_before", range(6, 12))   # 8: the preempting step fills its block
+def test_a_sequence_preempted_after_its_allocation_leaves_no_unwritten_block_cached(model, steps_before):
+    """The victim was already scheduled in the step (its blocks for it published at allocation, their KV not yet
+    written); taken out of the step, those blocks leave the prefix cache, so its resume recomputes them rather
+    than hit garbage: every sequence ends exact."""
+    reference = engine(model, "fcfs", enable_prefix_caching=False)
+    want = {rid: reference.generate([prompt(i, 7)], params())[0] for i, rid in enumerate(["b0", "b1", "chat"])}
+    eng = engine(model, "priority", max_num_seqs=2)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    for i, rid in enumerate(["b0", "b1"]):
+        eng.add_request(prompt(i, 7), params(priority=9), request_id=rid)
+    for _ in range(1 + steps_before):
+        step()
+    victim = eng.requests["b1"]
+    computed = victim.num_computed_tokens
+    eng.add_request(prompt(2, 7), params(priority=0), request_id="chat")
+    step()
+    assert eng.num_preemptions == 1 and victim.stats.num_preemptions == 1
+    unwritten = victim.block_hashes[computed // 8:]
+    assert not set(unwritten) & set(eng.block_manager.cached), (computed, victim.num_tokens)
+    while eng.has_unfinished():
+        step()
+    assert got == want

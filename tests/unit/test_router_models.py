@@ -26,7 +26,7 @@ def cluster(*workers: tuple[str, str, str]) -> tuple[WorkerTable, Placer, KVInde
     table, index = WorkerTable(3.0), KVIndex()
     for wid, role, fp in workers:
         table.update(report(wid, role, fp))
-    return table, Placer("predictive", table, index, CostModel(), 0, None), index
+    return table, Placer("predictive", table, index, CostModel(), 0), index
 
 
 def place(placer: Placer, rid: str = "r", fingerprint: str | None = None, mode: str = "auto", prompt=None):

@@ -175,7 +175,7 @@ def test_tier_pull_cost_is_what_the_workers_measured():
     from services.router.policy.types import CostModel
 
     table = WorkerTable(3.0)
-    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3), 0, None)
+    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3), 0)
     for wid, cost in (("p", 0.0), ("d1", 2e-4), ("d2", 4e-4)):
         table.update(report(wid, "prefill" if wid == "p" else "decode", tier_block_s=cost))
     states = list(table.workers.values())
@@ -221,7 +221,7 @@ def test_before_any_pull_the_tier_cost_scales_with_the_workers_block_bytes():
     from services.router.policy.types import CostModel
 
     table = WorkerTable(3.0)
-    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3, block_bytes=40_000), 0, None)
+    placer = Placer("predictive", table, KVIndex(), CostModel(block_transfer_s=1e-3, block_bytes=40_000), 0)
     table.update(report("d1", "decode", block_bytes=10_000))
     table.update(report("d2", "decode", block_bytes=40_000))
     d1, d2 = (table.workers[w] for w in ("d1", "d2"))

@@ -54,8 +54,9 @@ class Cluster:
         # user -> password of this run ({} = no auth); never logged, never on a command line
         self.passwords: dict[str, str] = (spec.passwords or nats_auth.generate_passwords(spec.tenants)) \
             if spec.auth else {}
-        if self.passwords and not spec.passwords:   # our own server: the planner's scale desk has its user
+        if self.passwords and not spec.passwords:   # our own server: the launcher's desks and the operator
             self.passwords[nats_auth.LAUNCHER] = nats_auth.new_password()
+            self.passwords[nats_auth.ADMIN] = nats_auth.new_password()
 
     @property
     def http_url(self) -> str:
@@ -115,6 +116,15 @@ class Cluster:
             if self.server is not None:
                 self.server.set_users(self._server_users())
         return self.credentials(user)
+
+    @property
+    def admits_clients(self) -> bool:
+        """Whether tenant clients can be added at run time: auth on the server this launcher runs."""
+        return nats_auth.ADMIN in self.passwords and self.server is not None
+
+    def reload_users(self) -> None:
+        """Have the running server take the users as ``passwords`` and ``spec.tenants`` now say (blocking)."""
+        self.server.set_users(self._server_users())
 
     def _server_users(self) -> list:
         return nats_auth.users({u: p for u, p in self.passwords.items() if u != ROUTE_USER}, self.spec.tenants)

@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, help="seconds between --watch frames")
     _add_credential_args(st)
 
+    cl = sub.add_parser("client", help="add, remove or list a running cluster's tenant clients (NATS users)")
+    cl.add_argument("op", choices=["add", "remove", "list"])
+    cl.add_argument("tenant", nargs="?", default="", help="the tenant (add, remove)")
+    add_nats_url(cl, "the cluster's NATS server, as its admin user (deepinfer up prints it)", required=True)
+    _add_credential_args(cl)
+
     serve = sub.add_parser("serve", help="run one service in the foreground (flags after it go to the service)")
     serve.add_argument("service", choices=["router", "prefill", "decode", "cache-tier", "draft"])
 
@@ -224,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args, extra)
         if args.command == "status":
             return asyncio.run(_status(args))
+        if args.command == "client":
+            from cli import launcher_clients
+
+            if args.op != "list" and not args.tenant:
+                parser.error(f"client {args.op} needs a tenant")
+            return asyncio.run(launcher_clients.run_cli(args, print))
         if args.command == "spec":
             from shared.spec import train_head
 

@@ -17,6 +17,7 @@ from shared import nats_auth
 from shared.http_client import stream_events
 from cli.flags import add_cluster_flags, add_nats_url, cluster_flag_values
 from cli.launcher import Cluster, ClusterSpec
+from cli.launcher_clients import ClientDesk
 from cli.launcher_scale import LauncherScaleDesk
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."  # the in-process demo asks the same
@@ -118,6 +119,7 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
     cluster = Cluster(spec)
     stop = asyncio.Event()
     desk: LauncherScaleDesk | None = None  # the planner's scale requests (--planner --planner-max-*)
+    clients: ClientDesk | None = None  # the operator's tenant clients (with auth)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -129,6 +131,9 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
         if cluster.scales:
             desk = LauncherScaleDesk(cluster, {"prefill": spec.planner_max_prefill, "decode": spec.planner_max_decode})
             await desk.start()
+        if cluster.admits_clients:
+            clients = ClientDesk(cluster)
+            await clients.start()
         emit(banner(cluster), flush=True)
         if args.demo:
             emit(f"\nuser> {DEMO_MESSAGES[0]['content']}\nassistant> ", end="", flush=True)
@@ -139,6 +144,8 @@ async def serve(args: argparse.Namespace, spec: ClusterSpec, emit: Callable[...,
     finally:
         if desk is not None:
             await desk.close()
+        if clients is not None:
+            await clients.close()
         await asyncio.to_thread(cluster.stop)
         emit("stopped", flush=True)
     return 0
@@ -157,6 +164,8 @@ def banner(cluster: Cluster) -> str:
         lines += [f"  tenant    {t}: {cluster.client_url(tenant=t)}  (publishes di.v1.generate.{t})"
                   for t in cluster.spec.tenants]
         lines += [f"  status    deepinfer status --nats-url {cluster.client_url(user='monitor')}"]
+        if cluster.admits_clients:
+            lines += [f"  clients   deepinfer client add <tenant> --nats-url {cluster.client_url(user='admin')}"]
     lines += [f"  metrics   {name}: http://127.0.0.1:{port}/metrics" for name, port in cluster.metrics_ports.items()]
     lines += [f"  try       deepinfer generate --nats-url {cluster.client_url()} --chat \"Hello\""]
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """NATS users and per-role permissions, generated from ``shared/subjects.py``; nats-server config rendering.
 
 One NATS user per service role (``ROLES``), a read-only ``monitor`` (the launcher's health check, ``deepinfer
-status``), a ``launcher`` (``deepinfer up`` taking the planner's scale requests: that subject and nothing else,
-so no holder of the monitor's credential can answer them) and optional tenant clients ``client-<tenant>``.
+status``), a ``launcher`` (``deepinfer up`` taking the planner's scale requests and the operator's client requests: those
+subjects and nothing else, so no holder of the monitor's credential can answer them), an ``admin`` (the operator:
+may only ask the launcher to add, remove or list tenant clients) and tenant clients ``client-<tenant>``, made at
+start-up (``--tenants``) or at run time (``deepinfer client add``: the server reloads its users).
 Every service connects with ``inbox_prefix=subjects.inbox_prefix(user)`` (``shared/bus.connect`` does it).
 
 Instance users ``<role>.<instance>`` (``instance_user``) bind one service's id to its credential: they have their
@@ -42,6 +44,7 @@ from shared.nats_cluster import ROUTE_USER, NatsClusterNode
 ROLES = ("router", "prefill", "decode", "draft", "cache-tier", "client")
 MONITOR = "monitor"
 LAUNCHER = "launcher"  # ``deepinfer up``'s answer desk for the planner's scale requests (cli/launcher_scale.py)
+ADMIN = "admin"  # an operator adding and removing tenant clients at run time (cli/launcher_clients.py)
 SWITCHABLE = "worker"  # a switchable worker (prefill or decode, ``services/switchable``): both roles' rights
 TENANT_PREFIX = "client-"
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # user and tenant names: one subject token, safe in config and URLs
@@ -189,10 +192,14 @@ def permissions(user: str, tenants: Sequence[str] = ()) -> Permissions:
     if user == MONITOR:  # reads heartbeats and stats
         return Permissions(publish=(S.ctl_all("stats"),), subscribe=(S.LOAD_ALL, *_own_inbox(user)),
                            allow_responses=True)
-    if user == LAUNCHER:  # scale requests only (publish names its own inbox: an empty allow list is no limit)
-        return Permissions(publish=_own_inbox(user), subscribe=(S.launcher_scale(), *_own_inbox(user)),
+    if user == LAUNCHER:  # scale and client requests only (publish names its own inbox: an empty list is no limit)
+        return Permissions(publish=_own_inbox(user),
+                           subscribe=(S.launcher_scale(), S.launcher_clients(), *_own_inbox(user)),
                            allow_responses=True)
-    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r}, {LAUNCHER!r} or "
+    if user == ADMIN:  # asks the launcher for tenant clients, hears the answers in its own inbox
+        return Permissions(publish=(S.launcher_clients(),), subscribe=_own_inbox(user))
+    raise ValueError(f"unknown NATS user {user!r}: one of {ROLES}, {SWITCHABLE!r}, {MONITOR!r}, {LAUNCHER!r}, "
+                     f"{ADMIN!r} or "
                      f"{TENANT_PREFIX}<tenant>")
 
 

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 from shared.errors import DeepinferError, ErrorCode
 from shared.wire_fields import check_id, check_one_of, check_range, check_tokens, require
 from shared.protocol_control import (KV_EVENT_KINDS, KV_TIERS, MAX_CONTROL_BYTES, ROLES, KVEvent, KVSnapshot,
-                                     LoadReport, MigrateRequest, RequestProbe, RoleSwitch, ScaleRequest,
-                                     WorkerInfo)
+                                     ClientAdmin, ClientAdminReply, LoadReport, MigrateRequest, RequestProbe,
+                                     RoleSwitch, ScaleRequest, WorkerInfo)
 from shared.protocol_work import (DTYPES, MAX_PROMPT_TOKENS, DecodeLocalRequest, KVHandoff, KVPrecopy,
                                   PrefillRequest)
 from shared.logprobs import Logprobs
@@ -41,7 +41,7 @@ from shared.wire_validation import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WireMod
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "MAX_CHUNK_BYTES", "MAX_CONTROL_BYTES",
            "encode", "decode", "decode_reply", "error_headers", "Sampling", "SamplingParams", "GenerateRequest", "TokenChunk",
            "CancelRequest", "PrefillRequest", "KVHandoff", "KVPrecopy", "DecodeLocalRequest", "RequestProbe",
-           "MigrateRequest", "RoleSwitch", "ScaleRequest", "Ack", "ErrorReply",
+           "MigrateRequest", "RoleSwitch", "ScaleRequest", "ClientAdmin", "ClientAdminReply", "Ack", "ErrorReply",
            "LoadReport", "WorkerInfo", "KVEvent", "KVSnapshot", "MESSAGE_TYPES", "ROLES", "KV_EVENT_KINDS", "KV_TIERS",
            "CachePut", "CacheGet", "CacheGetReply", "CacheRelease", "StatsRequest", "StatsReply", "DraftRequest",
            "DraftReply", "DTYPES", "MAX_PROMPT_TOKENS"]

@@ -165,3 +165,32 @@ class KVSnapshot(WireModel):
         check_worker("worker_id", self.worker_id)
         check_range("seq", self.seq, 0)
         check_one_of("tier", self.tier, KV_TIERS)
+
+
+MAX_TENANTS = 256   # tenant clients one launcher serves
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class ClientAdmin(WireModel):
+    """Operator (``admin``) -> ``deepinfer up`` on ``subjects.launcher_clients()``: ``add`` a tenant client (a NATS
+    user ``client-<tenant>`` with a fresh password), ``remove`` one (the server drops its connections), or
+    ``list`` them. The reply is a ``ClientAdminReply``."""
+    op: str
+    tenant: str = ""
+
+    def _check(self) -> None:
+        check_one_of("op", self.op, ("add", "remove", "list"))
+        if self.op != "list":
+            check_id("tenant", self.tenant)
+
+
+@wire_message(MAX_CONTROL_BYTES)
+class ClientAdminReply(WireModel):
+    """The tenants after the operation; for ``add``, the new client's NATS user and password (only the operator's
+    inbox hears it)."""
+    tenants: list[str]
+    user: str = ""
+    password: str = ""
+
+    def _check(self) -> None:
+        require(len(self.tenants) <= MAX_TENANTS, f"field 'tenants': at most {MAX_TENANTS}")

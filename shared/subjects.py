@@ -231,6 +231,12 @@ def launcher_scale() -> str:
     return ctl(LAUNCHER, "scale")
 
 
+def launcher_clients() -> str:
+    """Where an operator (the ``admin`` NATS user: ``deepinfer client``) asks ``deepinfer up`` to add, remove or
+    list tenant clients at run time (``ClientAdmin``)."""
+    return ctl(LAUNCHER, "clients")
+
+
 def stats(service: str) -> str:
     """Where any service answers a ``StatsRequest`` with its ``StatsReply`` (``deepinfer status``)."""
     return ctl(service, "stats")

@@ -145,3 +145,100 @@ async def test_switchable_workers_change_role_under_their_instance_users(folder)
         log = cluster.log_tail(name, 1 << 20)
         assert "NATS refused" not in log and "Authorization Violation" not in log, (name, log[-2000:])
     assert "switching prefill -> decode" in cluster.log_tail("worker-0", 1 << 20)
+
+
+async def test_tenant_clients_are_added_and_revoked_at_run_time(folder):
+    """``deepinfer client add`` (the ``admin`` user asking ``deepinfer up``'s desk): two tenants made while the
+    cluster runs are served on their own subjects and accounted apart; neither can read the other's stream nor
+    submit as the other (the server refuses it); a removed client's connection is closed and its login refused.
+    Nothing restarts: the router's connection lives through the reloads."""
+    import nats
+
+    import argparse
+
+    from cli.launcher_clients import ClientDesk, request_clients, run_cli
+    from shared.bus import connect
+
+    cluster = Cluster(ClusterSpec(prefill=0, decode=1, model=str(folder), kv_cache_mb=32, dtype="float64",
+                                  auth=True, metrics=False, http_port=-1, cache_tier=0))
+    request = protocol.GenerateRequest(prompt_token_ids=list(range(3, 30)), max_tokens=4, temperature=0.0,
+                                       ignore_eos=True, prefill_mode="local")
+    desk = ClientDesk(cluster)
+    try:
+        await cluster.start()
+        await desk.start()
+        router_pid = cluster.procs["router"].pid
+        admin = await cluster.connect_as(nats_auth.ADMIN)
+        try:
+            a = await request_clients(admin, "add", "a", cluster.nats_url)
+            b = await request_clients(admin, "add", "b", cluster.nats_url)
+            assert (a.user, b.user, b.tenants) == ("client-a", "client-b", ["a", "b"])
+            with pytest.raises(DeepinferError) as err:
+                await request_clients(admin, "add", "a")
+            assert err.value.code == ErrorCode.INVALID_REQUEST
+            nc_a = await connect(cluster.nats_url, "a", user=a.user, password=a.password)
+            nc_b = await connect(cluster.nats_url, "b", user=b.user, password=b.password)
+            assert await generate_retrying_as(nc_a, request, "a") == await generate_retrying_as(nc_b, request, "b")
+            errors: list[str] = []
+
+            async def on_error(e) -> None:
+                errors.append(str(e).lower())
+            spy = await nats.connect(cluster.nats_url, user=a.user, password=a.password, error_cb=on_error,
+                                     inbox_prefix=subjects.inbox_prefix(a.user), max_reconnect_attempts=0)
+            await spy.subscribe(subjects.inbox_prefix(b.user) + ".>")   # b's streams
+            await spy.publish(subjects.generate_as("b"), protocol.encode(request))   # submitting as b
+            await spy.flush()
+            for _ in range(100):
+                if sum("permissions violation" in e for e in errors) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert any("subscription" in e and "client-b" in e for e in errors), errors
+            assert any("publish" in e and "generate.b" in e for e in errors), errors
+            await spy.close()
+            monitor = await cluster.connect_as(nats_auth.MONITOR)
+            try:
+                ledger = (await collect(monitor, listen_s=1.2))["services"]["router"]["stats"]["accounting"]
+            finally:
+                await monitor.close()
+            assert {t: sum(line["requests"] for line in by_class.values())
+                    for t, by_class in ledger["by_tenant"].items()} == {"a": 1, "b": 1}, ledger
+            removed = await request_clients(admin, "remove", "b")
+            assert removed.tenants == ["a"]
+            for _ in range(100):
+                if not nc_b.is_connected:
+                    break
+                await asyncio.sleep(0.05)
+            assert not nc_b.is_connected
+            with pytest.raises(DeepinferError, match="authorization violation"):
+                await asyncio.wait_for(connect(cluster.nats_url, "b-again", user=b.user, password=b.password), 10)
+            assert await generate_retrying_as(nc_a, request, "a")   # a is served on
+            assert (await request_clients(admin, "list")).tenants == ["a"]
+            said: list[str] = []   # the command line's path: `deepinfer client add c --nats-url <admin URL>`
+            args = argparse.Namespace(op="add", tenant="c", nats_url=cluster.client_url(user=nats_auth.ADMIN),
+                                      user="", password="")
+            assert await run_cli(args, said.append) == 0
+            url = said[0].split()[2]
+            assert url.startswith("nats://client-c:") and "admin" not in url
+            nc_c = await connect(url, "c")
+            assert await generate_retrying_as(nc_c, request, "c")
+            await nc_c.close()
+            await nc_a.close()
+            await nc_b.close()
+        finally:
+            await admin.close()
+        assert cluster.procs["router"].poll() is None and cluster.procs["router"].pid == router_pid
+    finally:
+        await desk.close()
+        cluster.stop()
+    assert "NATS refused" not in cluster.log_tail("router", 1 << 20)
+
+
+async def generate_retrying_as(nc, request: protocol.GenerateRequest, tenant: str) -> list[int]:
+    for _ in range(40):
+        try:
+            return (await generate(nc, request, tenant=tenant))[0]
+        except DeepinferError as err:
+            if err.code != ErrorCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(0.25)
+    pytest.fail("the router never placed the request")

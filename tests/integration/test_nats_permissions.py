@@ -20,7 +20,7 @@ from shared.nats_auth import NatsUser
 from shared.nats_server import start_embedded_server
 
 TENANTS = ["a", "b"]
-ADMIN = "admin"  # an unrestricted observer (permissions=None): what it does not receive was not delivered
+OBSERVER = "observer"  # an unrestricted user (permissions=None): what it does not receive was not delivered
 SERVICES = ("router", "prefill", "decode", "draft", "cache-tier")
 SPOOFS = {  # user -> subjects it must not publish on
     "client": [subjects.load("decode-0", "decode"), subjects.kv_events("decode-0"), subjects.decode("decode-0"), subjects.prefill("p"),
@@ -37,7 +37,10 @@ SPOOFS = {  # user -> subjects it must not publish on
     "monitor": [subjects.load("x", "decode"), subjects.CANCEL, subjects.ctl("d", "probe"), subjects.kv_events("d"),
                 subjects.launcher_scale()],
     "launcher": [subjects.launcher_scale(), subjects.load("x", "decode"), subjects.ctl("d", "probe"),
-                 subjects.GENERATE, "_INBOX.router.x", subjects.decode("d")],
+                 subjects.GENERATE, "_INBOX.router.x", subjects.decode("d"), subjects.launcher_clients()],
+    # the operator only asks for tenant clients: it cannot scale, submit, or pose as the launcher answering
+    "admin": [subjects.launcher_scale(), subjects.GENERATE, subjects.generate_as("a"), "_INBOX.launcher.x",
+              subjects.load("x", "decode"), subjects.ctl("d", "probe")],
     "router": [subjects.kv_events("r"), subjects.cache_put("c", "w"), subjects.draft("m"), subjects.GENERATE,
                subjects.load("d", "decode")],
     "prefill": [subjects.prefill("p"), subjects.GENERATE, subjects.ctl("d", "probe"), "_INBOX.client.x",
@@ -66,6 +69,7 @@ FORBIDDEN_SUBS = {  # user -> patterns it must not subscribe to
     "monitor": [subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE,
                 subjects.launcher_scale()],   # a monitor credential cannot answer the planner's scale requests
     "launcher": [subjects.LOAD_ALL, subjects.KV_EVENTS, "_INBOX.router.>", subjects.GENERATE],
+    "admin": [subjects.launcher_clients(), "_INBOX.launcher.>", "_INBOX.client-a.>", subjects.GENERATE_TENANTS],
     "router": ["_INBOX.client.>", subjects.PREFILL_ALL],
     # an instance hears only what is addressed to it: not another decode worker's hand-offs (prompts), inbox
     # or control; a tier only its own puts
@@ -102,10 +106,11 @@ class Env:
 @pytest.fixture(scope="module")
 def env():
     passwords = {**nats_auth.generate_passwords(TENANTS), nats_auth.LAUNCHER: nats_auth.new_password(),
-                 ADMIN: "admin-password",
+                 nats_auth.ADMIN: nats_auth.new_password(),
+                 OBSERVER: "admin-password",
                  **{u: nats_auth.new_password() for u in INSTANCES}}
-    users = [*nats_auth.users({u: p for u, p in passwords.items() if u != ADMIN}, TENANTS),
-             NatsUser(ADMIN, passwords[ADMIN])]
+    users = [*nats_auth.users({u: p for u, p in passwords.items() if u != OBSERVER}, TENANTS),
+             NatsUser(OBSERVER, passwords[OBSERVER])]
     server = start_embedded_server(users=users)
     try:
         yield Env(server, passwords)
@@ -151,7 +156,7 @@ async def test_unknown_user_wrong_password_and_no_credentials_fail_fast(env):
 
 @pytest.mark.parametrize("user", sorted(SPOOFS))
 async def test_spoofed_publishes_are_refused_and_never_delivered(env, user):
-    admin, _ = await env.raw(ADMIN)
+    admin, _ = await env.raw(OBSERVER)
     seen: list[bytes] = []
 
     async def on_msg(msg) -> None:
@@ -180,7 +185,7 @@ async def test_spoofed_publishes_are_refused_and_never_delivered(env, user):
 
 @pytest.mark.parametrize("user", sorted(FORBIDDEN_SUBS))
 async def test_foreign_inboxes_and_wildcards_cannot_be_subscribed(env, user):
-    admin, _ = await env.raw(ADMIN)
+    admin, _ = await env.raw(OBSERVER)
     nc, errors = await env.raw(user)
     try:
         subs = []
@@ -315,7 +320,7 @@ async def test_every_service_flow_is_delivered(env, no_violations):
 async def test_services_heartbeat_and_register(env, no_violations):
     """Each service role (and instance user, under its own id) publishes its heartbeat and keeps its registry
     entry (JetStream KV) up to date."""
-    admin, _ = await env.raw(ADMIN)
+    admin, _ = await env.raw(OBSERVER)
     try:
         beats: set[str] = set()
 

@@ -33,10 +33,14 @@ def test_clients_publish_only_the_client_api_and_hear_only_their_inbox():
         subscribe=("_INBOX.client-acme.>",))
     assert permissions(MONITOR) == Permissions(publish=("di.v1.ctl.*.stats",),
                                                subscribe=(subjects.LOAD_ALL, "_INBOX.monitor.>"), allow_responses=True)
-    # `deepinfer up` answers the planner's scale asks as the launcher: that subject, its inbox, nothing else
+    # `deepinfer up` answers the planner's scale asks and the operator's client asks as the launcher: those
+    # subjects, its inbox, nothing else; the operator (admin) may only ask
     assert permissions(LAUNCHER) == Permissions(publish=("_INBOX.launcher.>",),
-                                                subscribe=(subjects.launcher_scale(), "_INBOX.launcher.>"),
+                                                subscribe=(subjects.launcher_scale(), subjects.launcher_clients(),
+                                                           "_INBOX.launcher.>"),
                                                 allow_responses=True)
+    assert permissions(nats_auth.ADMIN) == Permissions(publish=(subjects.launcher_clients(),),
+                                                       subscribe=("_INBOX.admin.>",))
 
 
 def test_only_the_owning_roles_publish_control_traffic():
@@ -108,7 +112,7 @@ def test_bad_tenant_names_are_refused(bad):
 
 def test_unknown_user_is_refused():
     with pytest.raises(ValueError, match="unknown NATS user"):
-        permissions("admin")
+        permissions("root")
 
 
 def test_passwords_are_fresh_and_config_safe():

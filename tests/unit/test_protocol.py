@@ -41,6 +41,8 @@ SAMPLES = {
     "MigrateRequest": p.MigrateRequest(request_id="r1~0", target="decode-1", transport="stream"),
     "RoleSwitch": p.RoleSwitch(role="prefill"),
     "ScaleRequest": p.ScaleRequest(role="decode", delta=-1),
+    "ClientAdmin": p.ClientAdmin(op="add", tenant="acme"),
+    "ClientAdminReply": p.ClientAdminReply(tenants=["acme"], user="client-acme", password="x"),
     "KVPrecopy": p.KVPrecopy(request_id="r1~0", token_ids=list(range(40)), cache_salt="", num_blocks=2,
                              block_shape=[2, 2, 16, 4, 8], dtype="float32", transport="shm",
                              handle={"segment": "x"}, model_fingerprint="0" * 32),
@@ -127,6 +129,10 @@ def test_a_role_switch_names_a_worker_role():
     for bad in ({"delta": 2}, {"delta": 0}, {"role": "router"}):
         with pytest.raises(DeepinferError):
             p.decode(body(SAMPLES["ScaleRequest"], **bad))
+    for bad in ({"op": "grant"}, {"tenant": ""}):   # a client request names what and whom
+        with pytest.raises(DeepinferError):
+            p.decode(body(SAMPLES["ClientAdmin"], **bad))
+    assert p.decode(body(SAMPLES["ClientAdmin"], op="list", tenant=""), p.ClientAdmin).op == "list"
 
 
 def test_int_accepted_for_float_and_stored_as_float():

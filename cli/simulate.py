@@ -78,6 +78,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     elastic.add_argument("--tick", type=float, default=1.0, help="seconds between evaluations (default 1)")
     elastic.add_argument("--startup", type=float, default=30.0,
                          help="seconds a worker the planner adds takes to start (default 30)")
+    cls = p.add_argument_group("SLO classes", "requests drawn a class of a mix (shared/slo_classes.py)")
+    cls.add_argument("--classes", default=None, metavar="MIX",
+                     help="e.g. 'interactive=0.2,batch=0.8': workers queue by class, attainment per class")
+    cls.add_argument("--slo-classes", default="", metavar="SPEC", help="the classes (default: the router's)")
+    cls.add_argument("--classes-off", action="store_true",
+                     help="count requests by class but queue them in arrival order (today's one priority)")
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
     p.add_argument("--plot", default=None,
                    help="write the TTFT CDF of every policy to this PNG (matplotlib: the plot extra)")
@@ -178,6 +184,10 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         if args.tick <= 0 or args.startup < 0:
             raise ValueError(f"--tick must be > 0 and --startup >= 0, got {args.tick} and {args.startup}")
         (retention_policy or RetentionPolicy()).ttl(args.retention)
+        from simulator.classes import ClassMix
+
+        mix = ClassMix.parse(args.classes, args.slo_classes, on=not args.classes_off,
+                             ttft_slo_s=args.ttft_slo or None) if args.classes else None
     except (DeepinferError, ValueError) as err:
         emit(f"deepinfer simulate: {err}", file=sys.stderr)
         return 2
@@ -187,7 +197,7 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
                   retention_policy=retention_policy, tick_s=args.tick, startup_s=args.startup,
                   migration=MigrationConfig() if args.migrate else None,
                   planner=PlannerConfig(ttft_slo_s=args.ttft_slo or 2.0, tpot_slo_s=args.tpot_slo or 0.1)
-                  if args.planner else None, economics=economics)
+                  if args.planner else None, economics=economics, classes=mix)
     if cells is not None:
         return _run_what_if(args, emit, trace, cells, names[0], common)
     results = []
@@ -201,6 +211,10 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         emit(f"# {name}: simulated in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     if not args.json:
         emit(format_table(results))
+        if mix is not None:
+            from simulator.classes import format_classes
+
+            emit(format_classes(results))
         for res in results:
             if "migrations" in res or "planner" in res:
                 emit(elastic_summary(res))

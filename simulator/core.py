@@ -35,14 +35,25 @@ _STEP, _HANDOFF, _ARRIVAL, MOVED, START, TICK = 0, 1, 2, 3, 4, 5
 class Simulation:
     def __init__(self, trace, policy, profile: Profile, num_workers: int, prefill_workers: int,
                  kv_capacity_blocks: int, ttft_slo_s: float | None, tier: SimTier, retention: str,
-                 block_size: int):
+                 block_size: int, priorities: list[int] | None = None,
+                 ttft_targets: list[float | None] | None = None, gate: bool = False):
+        """``priorities`` / ``ttft_targets`` (per trace position, SLO classes: ``simulator/classes.py``): the
+        order of each worker's waiting queue (lower first, then arrival) and the TTFT a placement must be
+        predicted to meet; None: arrival order and ``ttft_slo_s`` for all. ``gate``: the router's dispatch window
+        (the decode workers' seats; beyond it requests wait at the router by priority, then arrival, and a more
+        urgent one dispatches beyond a window full of less urgent ones, up to twice the window:
+        ``services/router/fair_gate.py`` for one tenant)."""
         self.trace, self.policy, self.p, self.bs = trace, policy, profile, block_size
         self.ttft_slo = ttft_slo_s
+        self.priorities, self.ttft_targets = priorities, ttft_targets
+        self.waiting: list[tuple[int, int]] = []   # the gate's queue: (priority, trace position), a heap
+        self.dispatched_at: dict[int, int] = {}    # priority -> requests dispatched and not finished
         self.kv_capacity_blocks = kv_capacity_blocks
         start = trace[0].arrival_s if trace else 0.0
         roles = ["prefill"] * prefill_workers + (["decode"] if prefill_workers else ["both"]) * num_workers
         self.workers = [SimWorker(i, role, kv_capacity_blocks, start) for i, role in enumerate(roles)]
         self.by_id = {w.wid: w for w in self.workers}
+        self.window = num_workers * profile.max_num_seqs if gate else None   # the decode (or aggregated) seats
         self.tier, self.retention = tier, retention
         self.tier_hits = {"dram": 0, "ssd": 0}  # blocks pulled from each tier
         self.cost = profile.cost_model(block_size)
@@ -50,6 +61,7 @@ class Simulation:
         self.events: list = []
         self.seq = 0
         self.rejected = 0
+        self.preemptions = 0   # seats taken back for more urgent requests (SLO classes on)
         self.done: list[SimRequest] = []
         self.hit_blocks = self.local_blocks = self.total_blocks = 0
         self.now = 0.0
@@ -82,10 +94,33 @@ class Simulation:
         cost = dataclasses.replace(self.cost, block_transfer_s=held.block_s()) if held.blocks else self.cost
         return ClusterView(pre, dec, overlap, held.blocks, cost)
 
-    def arrive(self, tr: TraceRequest) -> None:
+    def arrive(self, tr: TraceRequest, pos: int = 0) -> None:
+        """A request reaches the router: dispatched now, or queued at the gate (``gate``)."""
+        priority = 0 if self.priorities is None else self.priorities[pos]
+        if self.window is not None and (self.waiting and self.waiting[0][0] <= priority
+                                        or not self._may_dispatch(priority)):
+            heapq.heappush(self.waiting, (priority, pos))
+            return
+        self.dispatch(tr, pos)
+
+    def _may_dispatch(self, priority: int) -> bool:
+        dispatched = sum(self.dispatched_at.values())
+        if dispatched < self.window:
+            return True
+        urgent = sum(n for p, n in self.dispatched_at.items() if p <= priority)
+        return urgent < self.window and dispatched < 2 * self.window and urgent < dispatched
+
+    def _pump(self) -> None:
+        while self.waiting and self._may_dispatch(self.waiting[0][0]):
+            _, pos = heapq.heappop(self.waiting)
+            self.dispatch(self.trace[pos], pos)
+
+    def dispatch(self, tr: TraceRequest, pos: int) -> None:
+        """Place the request (or refuse it on the policy's prediction) and queue it at its worker."""
         t0 = time.perf_counter()
         view = self.view(tr)
-        info = RequestInfo(f"r{tr.idx}", tr.input_length, tr.hash_ids, tr.output_length, self.ttft_slo)
+        target = self.ttft_slo if self.ttft_targets is None else self.ttft_targets[pos]
+        info = RequestInfo(f"r{tr.idx}", tr.input_length, tr.hash_ids, tr.output_length, target)
         t1 = time.perf_counter()
         placed = place_request(self.policy, info, view)
         self.place_s += time.perf_counter() - t1
@@ -97,11 +132,24 @@ class Simulation:
         pw = self.by_id[placed.prefill_worker] if placed.prefill_worker else dw
         hit = max(view.overlap[pw.wid], view.remote_overlap)
         r = SimRequest(tr, dw.idx, max(1, tr.input_length - hit * self.bs))
+        r.pos, r.priority = pos, 0 if self.priorities is None else self.priorities[pos]
+        if self.window is not None:
+            self.dispatched_at[r.priority] = self.dispatched_at.get(r.priority, 0) + 1
         if pw is not dw:
             dw.incoming += 1
-        pw.queue.append(r)
+        self.enqueue(pw, r)
         pw.queued_tokens += r.est
         self.join(pw)
+
+    @staticmethod
+    def enqueue(w: SimWorker, r: SimRequest) -> None:
+        """Into ``w``'s waiting queue at its place: after every request as urgent or more (arrival order within a
+        priority; all priorities equal: FIFO)."""
+        q = w.queue
+        j = len(q)
+        while j > 0 and q[j - 1].priority > r.priority:
+            j -= 1
+        q.insert(j, r)
 
     # --- worker steps ------------------------------------------------------------------------------------
     def join(self, w: SimWorker) -> None:
@@ -124,14 +172,8 @@ class Simulation:
         waits for running requests to free blocks); None when it must wait."""
         r = w.queue[0]
         hashes = r.tr.hash_ids
-        local = w.prefix(hashes)
-        decodes_here = w.role != "prefill" and r.decode_w == w.idx
-        total = -(-(r.tr.input_length + (r.tr.output_length if decodes_here else 0)) // self.bs)
-        total = max(total, len(hashes))
-        need = total - local
-        newly_pinned = sum(1 for h in hashes[:local] if h not in w.pinned)
-        busy_elsewhere = w.pinned or w.private
-        if w.cap - (len(w.pinned) + newly_pinned + w.private) < need and busy_elsewhere:
+        local, total, need = self._needs(w, r)
+        if not self._fits(w, r):
             return None
         w.queue.popleft()
         w.queued_tokens -= r.est
@@ -144,12 +186,48 @@ class Simulation:
             self.pull(r, local)
         r.hit = max(local, r.hit)
         r.uncached = max(1, r.tr.input_length - r.hit * self.bs)
+        if r.first_s is not None:   # preempted while decoding: its output so far is recomputed too
+            r.uncached += r.generated
         self.hit_blocks += r.hit
         self.local_blocks += local
         self.total_blocks += len(hashes)
         w.running.append(r)
         w.prefill_left += r.uncached
         return r
+
+    def _needs(self, w: SimWorker, r: SimRequest) -> tuple[int, int, int]:
+        """``(local prefix blocks, total blocks, blocks to reserve)`` of admitting ``r`` on ``w``."""
+        hashes = r.tr.hash_ids
+        local = w.prefix(hashes)
+        decodes_here = w.role != "prefill" and r.decode_w == w.idx
+        total = max(-(-(r.tr.input_length + (r.tr.output_length if decodes_here else 0)) // self.bs), len(hashes))
+        return local, total, total - local
+
+    def _fits(self, w: SimWorker, r: SimRequest) -> bool:
+        """Whether ``r``'s blocks fit on ``w`` now (a worker holding nothing takes any request)."""
+        local, _, need = self._needs(w, r)
+        newly_pinned = sum(1 for h in r.tr.hash_ids[:local] if h not in w.pinned)
+        return w.cap - (len(w.pinned) + newly_pinned + w.private) >= need or not (w.pinned or w.private)
+
+    def take_seats(self, w: SimWorker) -> None:
+        """The priority policy's preemption (at a step boundary, before the step is planned): while the queue's
+        head finds no seat or no room for its blocks and is more urgent than the least urgent running request
+        (the latest admitted of them), that one is preempted: its blocks freed (cached ones stay), back in the
+        queue, its prompt and output so far recomputed when readmitted."""
+        while w.queue and w.running and (len(w.running) >= self.p.max_num_seqs or not self._fits(w, w.queue[0])):
+            victim = max(reversed(w.running), key=lambda r: r.priority)
+            if victim.priority <= w.queue[0].priority:
+                return
+            w.running.remove(victim)
+            if victim.first_s is not None:   # decoding: its context leaves the batch's KV
+                w.kv_tokens -= victim.tr.input_length + victim.generated
+            else:
+                w.prefill_left -= victim.uncached - victim.done
+            w.release(victim)
+            victim.done = 0
+            self.preemptions += 1
+            self.enqueue(w, victim)
+            w.queued_tokens += victim.est
 
     def pull(self, r: SimRequest, local: int) -> None:
         """``r`` (admitted where it holds ``local`` blocks) pulls the tier's blocks beyond them; its first
@@ -167,13 +245,16 @@ class Simulation:
 
     def plan(self, w: SimWorker) -> None:
         """Schedule the worker's next step exactly as the engine's token-budget scheduler does: running
-        requests in admission order (a decode takes 1 token, a prefill the rest of its prompt up to the
-        budget; once the budget is spent the rest of the batch waits a step), then queued requests are
-        admitted while budget, blocks and ``max_num_seqs`` allow."""
+        requests in admission order (with SLO classes: the most urgent class first), a decode taking 1 token, a
+        prefill the rest of its prompt up to the budget (once the budget is spent the rest of the batch waits a
+        step), then queued requests are admitted while budget, blocks and ``max_num_seqs`` allow."""
+        if self.priorities is not None:
+            self.take_seats(w)
         budget = self.p.chunk_tokens
         chunks: list[tuple[SimRequest, int]] = []
         decoding: list[SimRequest] = []
-        for r in w.running:
+        batch = w.running if self.priorities is None else sorted(w.running, key=lambda r: r.priority)
+        for r in batch:   # by class first (the priority policy's running order), admission order within
             if budget <= 0:
                 break
             if r.done < r.uncached:
@@ -254,15 +335,17 @@ class Simulation:
         self.start_decode(w, r)
 
     def start_decode(self, w: SimWorker, r: SimRequest) -> None:
-        """The step that finished ``r``'s prompt sampled its first token; it decodes from the next step."""
-        r.first_s = self.now
-        r.generated = 1
+        """The step that finished ``r``'s prompt sampled its first token (a preempted request's recompute: its
+        next one); it decodes from the next step."""
+        if r.first_s is None:
+            r.first_s = self.now
+            r.generated = 1
         if r not in w.running:  # arrived by hand-off
             w.running.append(r)
         if r.generated >= r.tr.output_length:
             self.finish(w, r)
             return
-        w.kv_tokens += r.tr.input_length + 1
+        w.kv_tokens += r.tr.input_length + r.generated
 
     def handoff(self, r: SimRequest) -> None:
         w = self.workers[r.decode_w]
@@ -284,6 +367,9 @@ class Simulation:
             w.kv_tokens -= r.tr.input_length + r.generated
         r.generated = r.tr.output_length
         self.done.append((r, self.now))
+        if self.window is not None:   # its dispatch slot goes to the gate's next
+            self.dispatched_at[r.priority] -= 1
+            self._pump()
 
     def stale(self, kind: int, data) -> bool:
         """A step event replaced by a shorter one (``join``)."""
@@ -309,7 +395,7 @@ class Simulation:
                 shown.update(1)
                 if data + 1 < len(self.trace):
                     self.push(self.trace[data + 1].arrival_s, _ARRIVAL, data + 1)
-                self.arrive(self.trace[data])
+                self.arrive(self.trace[data], data)
             elif kind == _STEP:
                 self.step_done(*data)
             elif kind == _HANDOFF:

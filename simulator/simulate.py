@@ -27,6 +27,7 @@ from simulator.elastic import Elastic
 from simulator.core import Simulation
 from simulator.metrics import (account, distinct_blocks, format_table, ideal_hit_rate, json_line,
                                       plot_ttft_cdf, served_metrics)
+from simulator.classes import ClassMix, class_metrics
 from simulator.tier import SimTier
 from simulator.trace import TraceRequest, load_trace
 
@@ -47,7 +48,8 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
              prices: Prices | None = None, tier_dram_blocks: int = 0, tier_ssd_blocks: int = 0,
              retention: str = "chat", retention_policy: RetentionPolicy | None = None,
              migration: MigrationConfig | None = None, planner: PlannerConfig | None = None, tick_s: float = 1.0,
-             startup_s: float = 30.0, timings: dict | None = None, economics: Economics | None = None) -> dict:
+             startup_s: float = 30.0, timings: dict | None = None, economics: Economics | None = None,
+             classes: ClassMix | None = None) -> dict:
     """Replay ``trace`` (already loaded; ``speed`` is recorded, apply it in ``load_trace``) and return metrics.
 
     ``num_workers`` aggregated workers, or with ``prefill_workers`` > 0: that many prefill workers plus
@@ -58,6 +60,12 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     (default: chat 7 d, agent 3 d, none 0) and tenant ``default`` in the ``accounting`` ledger; ``economics``
     (default ``Economics()``: $2 per GPU-hour, prices in dollars) turns the ledger and the GPU-hours into revenue,
     rent and margin (``res["economics"]``, ``simulator/economics.py``).
+
+    ``classes`` (``simulator/classes.py``): each request drawn a class of the mix (seeded by ``seed``), the
+    router's dispatch window modelled (on and off alike); with the mix on, the gate and the workers order by
+    class, a more urgent request takes a seat back, placements are refused on the class's target; the result has
+    ``classes`` (per class: requests, served, attainment against its own targets, TTFT percentiles) and
+    ``classes_on``.
 
     Elastic (disaggregated only, else ``ValueError``): ``migration`` runs live migration and ``planner`` the P:D
     planner every ``tick_s`` simulated seconds; a worker the planner adds joins ``startup_s`` after the
@@ -79,8 +87,12 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
     ndist = distinct_blocks(trace)
     if kv_capacity_blocks is None:
         kv_capacity_blocks = max(1, math.ceil(kv_capacity_frac * ndist / (num_workers + prefill_workers)))
+    assigned = classes.assign(len(trace), seed) if classes is not None else None
     sim = Simulation(trace, _make_policy(policy_name, seed), prof, num_workers, prefill_workers, kv_capacity_blocks,
-               ttft_slo_s, tier, retention, block_size)
+                     ttft_slo_s, tier, retention, block_size,
+                     priorities=None if assigned is None else [classes.priority(c) for c in assigned],
+                     ttft_targets=None if assigned is None else [classes.ttft_target(c, ttft_slo_s) for c in assigned],
+                     gate=assigned is not None)
     elastic = None
     if migration is not None or planner is not None:
         elastic = Elastic(sim, migration, planner, tick_s, startup_s)
@@ -93,9 +105,13 @@ def simulate(trace: list[TraceRequest], policy_name: str, profile: Profile | str
         "kv_capacity_blocks": kv_capacity_blocks, "tier_dram_blocks": tier_dram_blocks,
         "tier_ssd_blocks": tier_ssd_blocks, "retention": retention, "seed": seed, "speed": speed,
         "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "requests": len(trace), "served": len(sim.done),
-        "rejected": sim.rejected, "distinct_blocks": ndist,
+        "rejected": sim.rejected, "preemptions": sim.preemptions, "distinct_blocks": ndist,
         **served_metrics(served, len(trace), makespan, ttft_slo_s, tpot_slo_s),
     }
+    if assigned is not None:
+        res["classes_on"] = classes.on
+        res["classes"] = class_metrics(classes, assigned, [(r.pos, s.ttft_s, s.tpot_s)
+                                                           for (r, _), s in zip(sim.done, served)])
     ideal = ideal_hit_rate(trace)
     hit = sim.hit_blocks / sim.total_blocks if sim.total_blocks else 0.0
     if elastic is not None and elastic.resized:

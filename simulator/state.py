@@ -18,7 +18,8 @@ from simulator.trace import TraceRequest
 
 class SimRequest:
     __slots__ = ("tr", "decode_w", "est", "local", "hit", "pull_s", "tier_tokens", "uncached", "done",
-                 "first_s", "generated", "pinned", "private", "total_blocks", "move_to", "moved_at")
+                 "first_s", "generated", "pinned", "private", "total_blocks", "move_to", "moved_at", "pos",
+                 "priority")
 
     def __init__(self, tr: TraceRequest, decode_w: int, est: int) -> None:
         self.tr, self.decode_w, self.est = tr, decode_w, est
@@ -30,6 +31,7 @@ class SimRequest:
         self.private = self.total_blocks = 0
         self.move_to: tuple[int, str] | None = None  # (target worker idx, reason) of a live migration under way
         self.moved_at: float | None = None  # when it last arrived by live migration
+        self.pos, self.priority = 0, 0  # its trace position; its SLO class's priority (0: classes off)
 
 
 class SimWorker:

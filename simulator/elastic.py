@@ -101,7 +101,8 @@ class Elastic:
                 rid = f"r{r.tr.idx}"
                 by_rid[rid] = (r, w)
                 streams.append(MovableStream(rid, w.wid, r.tr.input_length + r.generated,
-                                             r.tr.output_length - r.generated, r.moved_at, r.move_to is not None))
+                                             r.tr.output_length - r.generated, r.moved_at, r.move_to is not None,
+                                             r.priority))
         for rid, target, reason in choose_moves(self.migration, sim.now, loads, streams, self.in_flight):
             r, source = by_rid[rid]
             self.order(r, source, sim.by_id[target], reason)

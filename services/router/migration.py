@@ -75,7 +75,7 @@ class Migrator:
                    for w in self.table.workers.values()
                    if w.report.role == "decode" and self.table.is_alive(w.report.worker_id)]
         streams = [MovableStream(rid, s.attempt.decode_w.report.worker_id, s.prompt_len + len(s.delivered),
-                                 s.max_tokens - len(s.delivered), s.moved_at, s.attempt.migrating)
+                                 s.max_tokens - len(s.delivered), s.moved_at, s.attempt.migrating, s.priority)
                    for rid, s in self.relay.live.items() if s.attempt is not None and s.attempt.decoding]
         moves = choose_moves(cfg, now, workers, streams, self.by_source)
         for rid, target, reason in moves:

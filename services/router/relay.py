@@ -81,6 +81,7 @@ class Stream:
     holders: dict[str, int] = dataclasses.field(default_factory=dict)  # Placer.place's: a sibling choice's worker
     retention: str = ""  # the retention class the request got (its own or the API's default), told in usage
     slo_class: str = ""  # the SLO class it runs in (shared/slo_classes.py), told in usage
+    priority: int = 0  # its request's, its class's shift included (the migration policy moves batch first)
     ttft_target_s: float | None = None  # refuse placements predicted to start later than this (None: never)
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:

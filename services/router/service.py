@@ -251,7 +251,8 @@ class RouterService(Service):
         self.owners[rid] = (api, tenant)
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
                         next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens),
-                        holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self._ttft_target(klass))
+                        holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self._ttft_target(klass),
+                        priority=req.priority)
         self.metrics.request_started(api)
         outcome = "finished"
         try:

@@ -6,7 +6,9 @@ Invariants:
 - Only running requests in decode state (every known token but the last has KV) get proposals, only when
   their ``speculative`` flag (else the deployment default) allows it, their ``min_tokens`` are met, and at most
   ``max_batch`` requests are running (speculation turns itself down at high concurrency, where the batch
-  already keeps the hardware busy).
+  already keeps the hardware busy); beyond that, only requests more urgent than the least urgent running one
+  (``priority``: an SLO class's, ``shared/slo_classes.py``), the most urgent first, at most ``max_batch``, so
+  the budget goes to the interactive class first and a batch of one priority decodes plainly.
 - A proposal never runs past ``max_tokens`` or the context window: at most ``remaining - 1`` drafted tokens.
 - A drafter that raises (or a remote one that times out and returns nothing) costs this step's speculation,
   never a request: the step decodes normally.
@@ -83,9 +85,14 @@ class Speculator:
         """Set ``spec_token_ids`` / ``spec_features`` of the running requests that speculate this step."""
         for req in running:
             req.spec_token_ids, req.spec_features = [], []
-        if not running or len(running) > self.config.max_batch:
+        if not running:
             return
-        chosen = [r for r in running if self.wants(r) and self.room(r) > 0]
+        pool = running
+        if len(running) > self.config.max_batch:   # a crowded batch: speculation for the most urgent only
+            least = max(r.params.priority for r in running)
+            pool = sorted((r for r in running if r.params.priority < least), key=lambda r: r.params.priority)
+            pool = pool[:self.config.max_batch]
+        chosen = [r for r in pool if self.wants(r) and self.room(r) > 0]
         if not chosen:
             return
         try:

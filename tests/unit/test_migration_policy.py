@@ -1,5 +1,7 @@
 """When streams move (services/router/policy/migration_policy.py): all of a draining worker's, one per full worker to one
 with room, the cheapest to move first; bounded per source, no ping-pong, never to the source or a draining one."""
+import dataclasses
+
 from services.router.policy.migration_policy import DecodeLoad, MigrationConfig, MovableStream, choose_moves
 
 CFG = MigrationConfig(kv_high=0.9, kv_low=0.6, cooldown_s=10.0, per_source=2, min_tokens_left=16, skew_min=0)
@@ -62,3 +64,13 @@ def test_a_worker_over_the_tpot_slo_sheds_one_stream_to_one_with_headroom():
     assert choose_moves(cfg, 0.0, within, streams, {}) == []           # at the SLO, not over it
     off = MigrationConfig(skew_min=0, kv_high=2.0)
     assert choose_moves(off, 0.0, workers, streams, {}) == []
+
+
+def test_a_full_worker_moves_a_batch_stream_before_an_interactive_one():
+    workers = [DecodeLoad("d0", 3, 0.95), DecodeLoad("d1", 1, 0.3)]
+    streams = [MovableStream("chat", "d0", 100, 400, priority=-1_000_000),      # the cheapest per token left
+               MovableStream("batch", "d0", 2000, 100, priority=1_000_000),
+               MovableStream("standard", "d0", 500, 200)]
+    assert choose_moves(CFG, 0.0, workers, streams, {}) == [("batch", "d1", "kv_pressure")]
+    same = [dataclasses.replace(s, priority=0) for s in streams]
+    assert choose_moves(CFG, 0.0, workers, same, {}) == [("chat", "d1", "kv_pressure")]   # one class: as before

@@ -162,3 +162,23 @@ def test_greedy_verification_is_the_longest_matching_prefix():
     assert verify(logits, [3, 1, 4], params, None) == [3, 1, 4, 2]     # all accepted + bonus
     assert verify(logits, [3, 0, 4], params, None) == [3, 1]           # correction at the first mismatch
     assert verify(logits[:1], [], params, None) == [3]
+
+
+def test_a_crowded_batch_speculates_for_its_most_urgent_requests_only(model, reference):
+    """Three running, ``max_batch`` 2: with one priority nobody speculates; with one request more urgent than the
+    others, it alone does; every output equals plain decoding."""
+    for priorities, drafting in (((5, 5, 5), set()), ((5, 0, 5), {1})):
+        spec = Speculator(OracleDrafter(PROMPTS, reference), SpecConfig(k=3, max_batch=2))
+        eng = engine(model, spec=spec)
+        ids = [eng.add_request(p, dataclasses.replace(PARAMS, priority=pr)) for p, pr in zip(PROMPTS, priorities)]
+        got = {i: [] for i in ids}
+        drafted: set[int] = set()
+        while eng.has_unfinished():
+            crowded = len(eng.scheduler.running) == 3
+            for out in eng.step():
+                got[out.request_id] += out.new_token_ids
+            if crowded:
+                drafted |= {j for j, i in enumerate(ids) if i in eng.requests and
+                            eng.requests[i].stats.num_spec_steps > 0}
+        assert [got[i] for i in ids] == reference
+        assert drafted == drafting, (priorities, drafted)

@@ -5,8 +5,9 @@ Rules, in order:
 1. **Drain**: every stream on a draining decode worker moves (it would otherwise be handed back and its whole
    context prefilled again elsewhere).
 2. **KV pressure**: a decode worker whose KV pool is at least ``kv_high`` full is about to preempt by
-   recompute; one stream per evaluation moves to a worker below ``kv_low``: the one with the most tokens left
-   per token of context (the benefit, decode steps freed, over the cost, bytes moved).
+   recompute; one stream per evaluation moves to a worker below ``kv_low``: of the least urgent ``priority``
+   there (an SLO class's: batch streams move off a worker before interactive ones), the one with the most tokens
+   left per token of context (the benefit, decode steps freed, over the cost, bytes moved).
 3. **TPOT**: a decode worker whose step time (its streams' time per output token) exceeds ``tpot_slo_s`` moves
    one stream per evaluation, chosen as in 2, to a worker whose step time is under ``tpot_headroom`` of the SLO
    (``tpot_slo_s`` 0: rule off).
@@ -56,6 +57,7 @@ class MovableStream:
     tokens_left: int
     moved_at: float | None = None  # when it last moved (monotonic seconds), None if never
     moving: bool = False
+    priority: int = 0   # its request's (lower: more urgent; an SLO class shifts it)
 
 
 def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], streams: list[MovableStream],
@@ -94,7 +96,7 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
         mine = [s for s in streams if s.source == source and s.request_id not in chosen and movable(s, False)]
         if not mine:
             return
-        pick = max(mine, key=lambda s: (s.tokens_left / max(1, s.context_tokens), s.request_id))
+        pick = max(mine, key=lambda s: (s.priority, s.tokens_left / max(1, s.context_tokens), s.request_id))
         dest = target(source, kv_cap, step_cap)
         if dest is not None:
             moves.append((pick.request_id, dest, reason))

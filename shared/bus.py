@@ -31,7 +31,7 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
-from shared import protocol, subjects
+from shared import protocol, subjects, tracing
 from shared.config import load_config, nats_servers
 from shared.errors import DeepinferError, ErrorCode
 
@@ -128,6 +128,7 @@ class ServiceRuntime:
                  registry_ttl_s: float = 5.0, max_inflight: int = MAX_INFLIGHT_HANDLERS,
                  registry_replicas: int = 1) -> None:
         self.nc, self.info, self.max_inflight = nc, info, max_inflight
+        tracing.setup(info.role)   # on when OTEL_EXPORTER_OTLP_ENDPOINT is set
         self.instance = secrets.token_hex(8)  # this process in its heartbeats (a restart under the same id differs)
         self.registry_replicas = registry_replicas  # when this service creates the bucket (R3 in a 3-node cluster)
         self.heartbeat_s, self.registry_ttl_s = heartbeat_s, registry_ttl_s
@@ -300,6 +301,8 @@ class ServiceRuntime:
                 await asyncio.wait_for(self._kv.delete(self.info.worker_id), 2)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 5)
+        with contextlib.suppress(Exception):   # spans still batched for the collector
+            await asyncio.to_thread(tracing.flush)
         logger.info("%s: closed", self.info.worker_id)
 
 

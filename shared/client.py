@@ -35,7 +35,8 @@ async def _held(nc: nats.NATS, subject: str, request_id: str) -> bool:
 
 
 async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle_timeout: float | None = None,
-                          tenant: str | None = None, resume: bool = True) -> AsyncIterator[protocol.TokenChunk]:
+                          tenant: str | None = None, resume: bool = True,
+                          headers: dict[str, str] | None = None) -> AsyncIterator[protocol.TokenChunk]:
     """Yield the request's chunks in order; raise ``DeepinferError`` on an error reply or a gap.
 
     ``idle_timeout`` (default: the request's timeout, else the router's ``MAX_REQUEST_S``, + 5 s) bounds the wait
@@ -49,6 +50,8 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
 
     ``request.n`` > 1: chunks of all choices interleave (``index``, seq per choice) until each choice's final
     chunk; the first error ends the whole request. Such a stream is not resumed.
+
+    ``headers``: NATS headers sent with the request, e.g. a W3C ``traceparent`` the router's trace continues.
     """
     generate_subject = subjects.generate_as(tenant) if tenant else subjects.GENERATE
     cancel_subject = subjects.cancel_as(tenant) if tenant else subjects.CANCEL
@@ -69,7 +72,7 @@ async def generate_stream(nc: nats.NATS, request: protocol.GenerateRequest, idle
             sub = await nc.subscribe(inbox, pending_msgs_limit=request.n * (request.max_tokens + 16))
             sent = request if not resumes else dataclasses.replace(
                 request, resume_tokens=list(received), resume_seq=expected)
-            await nc.publish(generate_subject, protocol.encode(sent), reply=inbox)
+            await nc.publish(generate_subject, protocol.encode(sent), reply=inbox, headers=headers)
             silent = 0.0
             while True:
                 wait = min(idle - silent, PROBE_AFTER_S) if resume else idle
@@ -138,10 +141,10 @@ async def generate_choices(nc: nats.NATS, request: protocol.GenerateRequest,
 
 
 async def generate(nc: nats.NATS, request: protocol.GenerateRequest,
-                   tenant: str | None = None) -> tuple[list[int], str, dict]:
+                   tenant: str | None = None, headers: dict[str, str] | None = None) -> tuple[list[int], str, dict]:
     """Collect a whole response of one choice: ``(token_ids, text, usage)``."""
     ids, text, usage = [], [], {}
-    async for chunk in generate_stream(nc, request, tenant=tenant):
+    async for chunk in generate_stream(nc, request, tenant=tenant, headers=headers):
         ids += chunk.token_ids
         text.append(chunk.text)
         usage = chunk.usage or usage

@@ -15,7 +15,7 @@ import logging
 import time
 
 from services.decode.migration import MIGRATING, MigrationDesk
-from shared import protocol, subjects
+from shared import protocol, subjects, tracing
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.transport import handle_meta, transfer_timeout
@@ -38,6 +38,13 @@ class DecodeService(Worker):
         req = protocol.decode(msg.data, (protocol.KVHandoff, protocol.DecodeLocalRequest, protocol.KVPrecopy))
         if isinstance(req, protocol.KVPrecopy):
             return await self.desk.on_precopy(msg, req)
+        with tracing.span("decode", tracing.context_of(msg.headers),
+                          {"deepinfer.request_id": req.request_id, "deepinfer.worker": self.config.worker_id,
+                           "deepinfer.handoff": isinstance(req, protocol.KVHandoff)}, server=True) as span:
+            await self._serve_request(msg, req, span)
+
+    async def _serve_request(self, msg, req, span) -> None:
+        """A hand-off or a local-prefill request (``on_message``), its chunks published until it ends."""
         params = req.sampling
         rid, eng = req.request_id, self.engine
         handoff = isinstance(req, protocol.KVHandoff)
@@ -75,10 +82,12 @@ class DecodeService(Worker):
         seq = req.first_seq if handoff else 0   # the next chunk's seq (an error chunk after the ack takes it)
         try:
             if handoff:
-                t_fetch = time.perf_counter()
+                t_fetch, fetch_ns = time.perf_counter(), time.time_ns()
                 kv = await transport.fetch(req.handle, timeout=transfer_timeout(   # packed
                     self.config.handoff_timeout_s, nbytes))
                 self.metrics.handoff(req.transport, "received", nbytes, time.perf_counter() - t_fetch)
+                tracing.record("kv_fetch", fetch_ns, time.time_ns(), {"deepinfer.transport": req.transport,
+                                                                      "deepinfer.bytes": nbytes})
                 kv, has_window = eng.kv_port.unpack(kv.to(eng.kv_port.device), req.num_blocks, req.window_mask)
                 submit = lambda: eng.kv_port.import_running(rid, req.prompt_token_ids, outputs, params, kv, req.cache_salt,
                                                     hold_kv=hold, model_fingerprint=req.model_fingerprint,
@@ -122,6 +131,8 @@ class DecodeService(Worker):
                                 await self.tier_write_back(rid, written_from, req.cache_salt, req.retention)
                             else:
                                 await self.publish_output(req.reply_to, seq, out)
+                                if seq == (req.first_seq if handoff else 0):
+                                    span.add_event("first_token")
                                 if seq == 0 and not handoff and hold:  # the prompt, while its window is held
                                     written_from = await self.tier_write_back_prompt(
                                         rid, out.num_cached_tokens // eng.config.block_size, req.cache_salt,
@@ -138,6 +149,7 @@ class DecodeService(Worker):
             outcome = self.cancelled_outcome()
             raise
         finally:
+            span.set_attributes({"deepinfer.outcome": outcome, "deepinfer.chunks": seq})
             self.untrack(rid, outcome)
             if hold:
                 await self.aengine.call(lambda: eng.kv_port.release_held(rid))

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 
-from shared import protocol, subjects
+from shared import protocol, subjects, tracing
 from shared.errors import DeepinferError, ErrorCode
 from shared.metrics.common import OUTCOME_FINISHED
 from shared.kv.transport import transfer_timeout
@@ -39,6 +39,13 @@ class PrefillService(Worker):
             raise DeepinferError(ErrorCode.INVALID_REQUEST, f"transport {req.transport!r} not offered here")
         self.engine.validate([*req.prompt_token_ids, *req.prior_output_ids], params)
         await msg.respond(protocol.encode(protocol.Ack()))
+        with tracing.span("prefill_request", tracing.context_of(msg.headers),
+                          {"deepinfer.request_id": req.request_id, "deepinfer.worker": self.config.worker_id},
+                          server=True):
+            await self._serve_request(req, params)
+
+    async def _serve_request(self, req: protocol.PrefillRequest, params) -> None:
+        """An accepted prefill request (``on_prefill``): prefill, hand off, write back, release."""
         rid = req.request_id
         deadline = time.monotonic() + req.deadline_s  # the rest of it travels in the hand-off
         await self.track(rid, req.reply_to, req.router_id, req.router_instance)
@@ -66,7 +73,7 @@ class PrefillService(Worker):
         ``time.monotonic()`` instant); the outcome (``finished`` when the first token ended the request, else
         ``handed_off``)."""
         rid, eng = req.request_id, self.engine
-        t0 = time.perf_counter()
+        t0, start_ns = time.perf_counter(), time.time_ns()
         one = dataclasses.replace(params, prefill_only=True)   # the first token, KV held for the hand-off
         known = [*req.prompt_token_ids, *req.prior_output_ids]   # a continuation's delivered tokens too
         pulled = await self.tier_pull(known, req.cache_salt, req.retention)
@@ -82,6 +89,9 @@ class PrefillService(Worker):
         if final.finish_reason not in ("length", "stop", "prefilled"):
             raise DeepinferError(ErrorCode.INTERNAL, f"prefill ended with {final.finish_reason}")
         self.metrics.prompt_done(final.num_prompt_tokens, final.num_cached_tokens, tier_tokens)
+        tracing.record("prefill", start_ns, time.time_ns(), {"deepinfer.prompt_tokens": final.num_prompt_tokens,
+                                                             "deepinfer.cached_tokens": final.num_cached_tokens,
+                                                             "deepinfer.tier_cached_tokens": tier_tokens})
         if final.finish_reason != "prefilled":  # a stop rule of the whole request ended it at its first token
             await self.publish_output(req.reply_to, 0, final, {"tier_cached_tokens": tier_tokens})
             return OUTCOME_FINISHED
@@ -89,7 +99,7 @@ class PrefillService(Worker):
         ids = await self.aengine.call(lambda: eng.kv_port.prompt_block_ids(rid))
         generator_state = await self.aengine.call(lambda: eng.kv_port.held_generator_state(rid))
         transport = self.transports[req.transport]
-        t_handoff = time.perf_counter()
+        t_handoff, handoff_ns = time.perf_counter(), time.time_ns()
         # the blocks stay held (engine will not touch them) until the finally of on_prefill releases them
         # the cache itself, or a packed copy (KV groups: window rows only where the first decode query looks)
         cache, staged, mask = await self.kv_source(rid, ids, len(known))
@@ -108,7 +118,8 @@ class PrefillService(Worker):
             try:
                 reply = await self.nc.request(subjects.decode(req.decode_worker), protocol.encode(handoff),
                                               timeout=transfer_timeout(self.config.handoff_timeout_s,
-                                                                       int(handle.get("nbytes", 0))))
+                                                                       int(handle.get("nbytes", 0))),
+                                              headers=tracing.headers())
             except Exception as err:  # timeout, no responders, connection loss
                 raise DeepinferError(ErrorCode.TRANSFER_FAILED,
                                      f"decode worker {req.decode_worker} did not take the KV: {err!r}") from None
@@ -116,6 +127,8 @@ class PrefillService(Worker):
             if isinstance(answer, protocol.ErrorReply):
                 raise answer.to_exception()
             self.metrics.handoff(req.transport, "sent", int(handle.get("nbytes", 0)), time.perf_counter() - t_handoff)
+            tracing.record("kv_handoff", handoff_ns, time.time_ns(), {"deepinfer.transport": req.transport,
+                                                                      "deepinfer.bytes": int(handle.get("nbytes", 0))})
         finally:
             await transport.release(rid)
         return OUTCOME_HANDED_OFF

@@ -33,7 +33,7 @@ from services.router import openai_api
 from services.router.api_keys import ApiKeys
 from services.router.http_conventions import REQUEST_ID, Conventions
 from services.router.openai_choice import Choice
-from shared import protocol
+from shared import protocol, tracing
 from shared.errors import DeepinferError, ErrorCode
 
 if TYPE_CHECKING:
@@ -216,7 +216,8 @@ class HttpApi:
         config = self.router.config
         choices = [Choice(call, prompt_ids, self.router.tokenizer, config.tool_call_parser, config.reasoning_parser)
                    for _ in range(req.n)]
-        task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http"))
+        task = asyncio.create_task(self.router.serve(req, sink.send, tenant=tenant, api="http",
+                                                     trace_parent=tracing.context_of(request.headers)))
         try:
             if call.stream:
                 return await self._stream(request, call, rid, sink, task, choices)

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
-from shared import protocol, subjects
+from shared import protocol, subjects, tracing
 from shared.errors import DeepinferError, ErrorCode
 from shared.kv.transport import transfer_timeout
 from shared.wire_fields import MAX_ID_LEN
@@ -137,7 +137,12 @@ class Relay:
         placement = failovers = refusals = 0  # placements number the workers' ids; the others bound retries
         while True:
             try:
-                await self._attempt(req, prompt, stream, placement, failovers)
+                with tracing.span("attempt", attributes={"deepinfer.placement": placement}) as span:
+                    try:
+                        await self._attempt(req, prompt, stream, placement, failovers)
+                    except AttemptFailed as err:
+                        span.add_event("refused" if err.refused else "failover", {"reason": err.message})
+                        raise
                 return
             except AttemptFailed as err:
                 if stream.ended or stream.deadline <= time.monotonic():
@@ -176,10 +181,14 @@ class Relay:
         # the router itself listens to for clients) must not cancel the client's request
         work_id = attempt_id(stream.rid, placement)
         await self._await_workers(stream, ("decode", "prefill") if req.prefill_mode == "remote" else ("decode",))
-        prefill_w, decode_w, transport, build = self.placer.place(
-            work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode, req.transport,
-            exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders,
-            ttft_slo_s=stream.ttft_target_s)
+        with tracing.span("placement") as span:
+            prefill_w, decode_w, transport, build = self.placer.place(
+                work_id, prompt + prior, params.max_tokens - len(prior), req.cache_salt, req.prefill_mode,
+                req.transport, exclude=stream.failed_workers, fingerprint=stream.fingerprint, holders=stream.holders,
+                ttft_slo_s=stream.ttft_target_s)
+            span.set_attributes({"deepinfer.decode_worker": decode_w.report.worker_id,
+                                 "deepinfer.prefill_worker": prefill_w.report.worker_id if prefill_w else "",
+                                 "deepinfer.transport": transport or ""})
         stream.fingerprint = build
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, pending_msgs_limit=params.max_tokens + 16)
@@ -247,7 +256,8 @@ class Relay:
         wid = worker.report.worker_id
         subject = subjects.prefill(wid) if isinstance(work, protocol.PrefillRequest) else subjects.decode(wid)
         try:
-            reply = await self.nc.request(subject, protocol.encode(work), timeout=self.dispatch_timeout_s)
+            reply = await self.nc.request(subject, protocol.encode(work), timeout=self.dispatch_timeout_s,
+                                          headers=tracing.headers())
         except Exception as err:  # timeout, no responders, connection loss
             raise AttemptFailed(ErrorCode.UNAVAILABLE, f"worker {wid} did not accept: {err!r}", {wid}) from None
         answer = protocol.decode(reply.data, (protocol.Ack, protocol.ErrorReply))
@@ -301,6 +311,7 @@ class Relay:
                 att.account.prefill_done()
                 if stream.ttft_s is None:
                     stream.ttft_s = time.monotonic() - stream.t0
+                    tracing.event("first_token")
             usage = chunk.usage
             if chunk.final and usage is not None:  # the whole stream's usage, not this attempt's
                 usage = stream.whole_usage(usage, len(stream.delivered) + len(chunk.token_ids), failovers)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shared.model.locate import served_model_name
 from shared.host_identity import host_id
-from shared import protocol, subjects
+from shared import protocol, subjects, tracing
 from shared.bus import Service, ServiceRuntime, connect
 from shared.accounting import Ledger, Prices
 from services.router.config import RouterConfig, parse_weights
@@ -217,14 +217,23 @@ class RouterService(Service):
 
         async def send(chunk: protocol.TokenChunk) -> None:
             await self.nc.publish(reply, protocol.encode(chunk))
-        await self.serve(req, send, tenant=subjects.tenant_of(msg.subject), api="nats")
+        await self.serve(req, send, tenant=subjects.tenant_of(msg.subject), api="nats",
+                         trace_parent=tracing.context_of(msg.headers))
 
     async def serve(self, req: protocol.GenerateRequest, send, tenant: str | None = None, api: str = "nats",
-                    holders: dict[str, int] | None = None) -> None:
+                    holders: dict[str, int] | None = None, trace_parent=None) -> None:
         """Serve one client request (NATS or HTTP): every chunk goes to ``send``, the last one is final (usage or
         an error). ``tenant`` is the authenticated tenant (its subject or API key), None for the plain API.
         Raises only ``invalid_request`` for a duplicate request id (before anything is sent). ``holders``:
-        ``{worker: prompt tokens}`` known to hold the prompt's KV (another choice's: ``services/router/choices.py``)."""
+        ``{worker: prompt tokens}`` known to hold the prompt's KV (another choice's: ``services/router/choices.py``).
+        ``trace_parent``: the caller's trace context (``tracing.context_of`` its headers), the request span's
+        parent."""
+        with tracing.span("request", trace_parent, {"deepinfer.api": api, "deepinfer.request_id": req.request_id,
+                                                    "deepinfer.choices": req.n}, server=True) as span:
+            await self._serve(req, send, tenant, api, holders, span)
+
+    async def _serve(self, req: protocol.GenerateRequest, send, tenant: str | None, api: str,
+                     holders: dict[str, int] | None, span) -> None:
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.relays:
             raise invalid(f"request id {rid!r} is already in flight")
@@ -262,7 +271,9 @@ class RouterService(Service):
             prompt = await self.tokenize(req)
             self._check_context(len(prompt))
             stream.prompt_len = len(prompt)
+            waited = time.time_ns()
             async with self.gate.slot(tenant or "", stream.deadline, req.priority):
+                tracing.record("gate", waited, time.time_ns(), {"deepinfer.priority": req.priority})
                 await self.relay.serve(req, prompt, stream)
             self._account(req, stream, tenant)
         except (DeepinferError, asyncio.CancelledError) as exc:
@@ -284,6 +295,13 @@ class RouterService(Service):
             if outcome == "finished":
                 self.metrics.class_finished(klass.name, stream.ttft_s, tpot / 1000.0 if tpot else None, klass.ttft_s,
                                             klass.tpot_s)
+            span.set_attributes({"deepinfer.outcome": outcome, "deepinfer.slo_class": klass.name,
+                                 "deepinfer.prompt_tokens": stream.prompt_len,
+                                 "deepinfer.cached_tokens": int(usage.get("cached_tokens", 0) or 0),
+                                 "deepinfer.tier_cached_tokens": int(usage.get("tier_cached_tokens", 0) or 0),
+                                 "deepinfer.completion_tokens": int(usage.get("completion_tokens", 0) or 0),
+                                 "deepinfer.ttft_ms": (stream.ttft_s or 0.0) * 1000.0,
+                                 "deepinfer.failovers": int(usage.get("failovers", 0) or 0)})
 
     def _ttft_target(self, klass: SloClass) -> float | None:
         """The TTFT a placement must be predicted to meet, else ``overloaded``: the class's target, for classes no

@@ -1,0 +1,69 @@
+"""One trace per request across router -> prefill -> KV hand-off -> decode (``shared/tracing.py``), on a real
+nats-server with an in-memory span exporter: the client's ``traceparent`` (a NATS header) is the request span's
+parent, the workers' spans join the trace through the headers of the dispatch and the hand-off, and the TTFT the
+router measured is its gate + placement + the prefill worker's prefill, within the NATS hops' slack."""
+import pytest
+
+from shared import protocol, tracing
+from shared.client import generate
+from tests.integration.conftest import connect
+from tests.integration.services_harness import InProcessCluster
+from tests.model_factory import write_tiny_hf_folder
+
+TRACE_ID, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("tiny"), seed=5, max_position_embeddings=1024,
+                                num_layers=4, hidden=128, ffn=256)
+
+
+@pytest.fixture
+def spans():
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing.install(SimpleSpanProcessor(exporter))
+    try:
+        yield exporter
+    finally:
+        tracing.uninstall()
+
+
+async def test_a_remote_prefill_request_is_one_trace_whose_spans_add_up_to_its_ttft(nats_server, folder, spans):
+    prompt = [(7 * i) % 250 + 3 for i in range(300)]
+    request = protocol.GenerateRequest(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                       prefill_mode="remote", transport="stream", request_id="traced")
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm,stream"):
+        nc = await connect(nats_server.url)
+        try:
+            ids, _, usage = await generate(nc, request, headers={"traceparent": f"00-{TRACE_ID}-{PARENT}-01"})
+        finally:
+            await nc.close()
+    assert len(ids) == 6
+    got = {s.name.removeprefix("deepinfer."): s for s in spans.get_finished_spans()}
+    assert {"request", "gate", "attempt", "placement", "prefill_request", "prefill", "kv_handoff", "decode",
+            "kv_fetch"} <= set(got), sorted(got)
+    assert {format(s.context.trace_id, "032x") for s in got.values()} == {TRACE_ID}   # one trace, the client's
+
+    def parent(name: str) -> str:
+        return next(k for k, s in got.items() if s.context.span_id == got[name].parent.span_id)
+    assert format(got["request"].parent.span_id, "016x") == PARENT
+    assert [parent(n) for n in ("gate", "attempt", "placement", "prefill_request", "prefill", "kv_handoff",
+                                "decode", "kv_fetch")] == ["request", "request", "attempt", "attempt",
+                                                           "prefill_request", "prefill_request", "prefill_request",
+                                                           "decode"]
+    request_span = got["request"]
+    assert request_span.attributes["deepinfer.outcome"] == "finished"
+    assert request_span.attributes["deepinfer.prompt_tokens"] == len(prompt)
+    assert got["kv_handoff"].attributes["deepinfer.bytes"] == got["kv_fetch"].attributes["deepinfer.bytes"] > 0
+    assert any(e.name == "first_token" for e in got["attempt"].events)
+    seconds = {n: (s.end_time - s.start_time) / 1e9 for n, s in got.items()}
+    parts = seconds["gate"] + seconds["placement"] + seconds["prefill"]
+    ttft = usage["ttft_ms"] / 1000.0
+    print(f"TTFT {ttft * 1000:.1f} ms = gate {seconds['gate'] * 1000:.2f} + placement "
+          f"{seconds['placement'] * 1000:.2f} + prefill {seconds['prefill'] * 1000:.1f} ms + hops "
+          f"{(ttft - parts) * 1000:.1f} ms")
+    assert parts <= ttft + 0.005 and ttft - parts < 0.1 + 0.2 * ttft   # the NATS hops: dispatch and first chunk

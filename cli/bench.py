@@ -28,6 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-mode", default="auto", choices=["auto", "local", "remote"])
     p.add_argument("--retention", default="", help="retention class of every request ('' = router default)")
     p.add_argument("--seed", type=int, default=0, help="token synthesis seed")
+    p.add_argument("--classes", default=None, metavar="MIX",
+                   help="SLO classes drawn per request, e.g. 'interactive=0.2,batch=0.8' (attainment per class)")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--simulate", action="store_true", help="also simulate the same scaled requests")
     p.add_argument("--sim-profile", default="smollm2-cpu", help="simulator profile (with --simulate)")
@@ -72,7 +74,7 @@ def simulate_scaled(trace, reqs, args) -> dict:
                     speed=args.speed, prefill_workers=max(0, args.sim_prefill), block_size=block)
 
 
-async def _replay(args, reqs) -> tuple[list[dict], float]:
+async def _replay(args, reqs, classes: list[str] | None = None) -> tuple[list[dict], float]:
     from shared.bus import connect
     from cli.replay import replay
 
@@ -80,7 +82,7 @@ async def _replay(args, reqs) -> tuple[list[dict], float]:
     try:
         t0 = time.perf_counter()
         results = await replay(nc, reqs, timeout_s=args.timeout, speed=1.0, prefill_mode=args.prefill_mode,
-                               retention=args.retention)
+                               retention=args.retention, slo_classes=classes)
         return results, time.perf_counter() - t0
     finally:
         await nc.close()
@@ -106,7 +108,17 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
     if not reqs:
         emit("deepinfer bench: empty trace", file=sys.stderr)
         return 2
-    results, wall = asyncio.run(_replay(args, reqs))
+    mix = assigned = None
+    if args.classes:
+        from simulator.classes import ClassMix
+
+        try:
+            mix = ClassMix.parse(args.classes, ttft_slo_s=args.ttft_slo or None)
+        except ValueError as err:
+            emit(f"deepinfer bench: {err}", file=sys.stderr)
+            return 2
+        assigned = mix.assign(len(reqs), args.seed)
+    results, wall = asyncio.run(_replay(args, reqs, assigned))
     if args.save:
         with open(args.save, "w") as f:
             json.dump(results, f)
@@ -114,6 +126,11 @@ def run(args: argparse.Namespace, emit: Callable[..., None]) -> int:
         results, args.ttft_slo or None, args.tpot_slo or None, trace=scaled_trace(trace, reqs, args.scale),
         label="measured", speed=args.speed, workers=max(1, args.sim_decode), prefill_workers=max(0, args.sim_prefill),
         replay_wall_s=round(wall, 3), scale=args.scale)
+    if mix is not None:   # attainment per class against each class's own targets (the simulator's rule)
+        from simulator.classes import class_metrics
+
+        measured["classes"] = class_metrics(mix, assigned, [(i, r["ttft_s"], r["tpot_s"])
+                                                             for i, r in enumerate(results) if not r["error"]])
     rows = [measured]
     emit(json_line(measured), flush=True)
     if args.simulate:

@@ -72,16 +72,18 @@ def _error_code(err: BaseException) -> str:
 
 
 async def _one(nc, idx: int, prompt: list[int], max_tokens: int, timeout_s: float, start: float,
-               prefill_mode: str, retention: str = "") -> dict:
+               prefill_mode: str, retention: str = "", slo_class: str = "") -> dict:
     from shared.client import generate_stream
     from shared import protocol
 
     req = protocol.GenerateRequest(request_id=f"bench-{idx}-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
                                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                   timeout_s=timeout_s, prefill_mode=prefill_mode, retention=retention)
+                                   timeout_s=timeout_s, prefill_mode=prefill_mode, retention=retention,
+                                   slo_class=slo_class)
     t0 = time.perf_counter()
     res = {"idx": idx, "sent_s": t0 - start, "prompt_tokens": len(prompt), "cached_tokens": 0, "tier_cached_tokens": 0,
-           "max_tokens": max_tokens, "output_tokens": 0, "ttft_s": None, "tpot_s": None, "error": None}
+           "max_tokens": max_tokens, "output_tokens": 0, "ttft_s": None, "tpot_s": None, "error": None,
+           "slo_class": slo_class}
     t_first = t_last = None
     n = 0
     try:
@@ -108,11 +110,12 @@ async def _one(nc, idx: int, prompt: list[int], max_tokens: int, timeout_s: floa
 
 
 async def replay(nc, requests: Sequence[ScaledRequest], timeout_s: float = 600.0, speed: float = 1.0,
-                 prefill_mode: str = "auto", retention: str = "") -> list[dict]:
+                 prefill_mode: str = "auto", retention: str = "",
+                 slo_classes: Sequence[str] | None = None) -> list[dict]:
     """Send each request at ``arrival_s / speed`` after the first one's arrival; one result dict per request
     (in input order): ttft_s, tpot_s, prompt_tokens, cached_tokens, tier_cached_tokens, output_tokens, error
-    (code or None), sent_s / end_s (seconds since the replay started). ``retention``: every request's class
-    ("" = the router's default)."""
+    (code or None), sent_s / end_s (seconds since the replay started), slo_class. ``retention``: every request's
+    class ("" = the router's default); ``slo_classes``: each request's SLO class (None: the router's default)."""
     if not requests:
         return []
     speed = speed if speed > 0 else 1.0
@@ -124,7 +127,7 @@ async def replay(nc, requests: Sequence[ScaledRequest], timeout_s: float = 600.0
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(_one(nc, i, prompt, max_tokens, timeout_s, start, prefill_mode,
-                                              retention)))
+                                              retention, slo_classes[i] if slo_classes else "")))
     return list(await asyncio.gather(*tasks))
 
 

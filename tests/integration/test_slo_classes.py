@@ -98,7 +98,12 @@ async def test_a_requests_class_by_field_tier_and_tenant_and_an_unknown_one_is_r
             capped = await generate(nc, request(3, 4, "interactive"), tenant="etl")
             with pytest.raises(DeepinferError) as err:
                 await generate(nc, request(4, 4, "gold"))
+            from cli.replay import replay   # `deepinfer bench --classes`: each replayed request names its class
+            replayed = await replay(nc, [(0.0, prompt(5), 3), (0.01, prompt(6), 3)], timeout_s=30,
+                                    slo_classes=["batch", "gold"])
         finally:
             await nc.close()
     assert [u["slo_class"] for _, _, u in (plain, tier, capped)] == ["standard", "interactive", "batch"]
     assert err.value.code == ErrorCode.INVALID_REQUEST and "gold" in err.value.message
+    assert [(r["slo_class"], r["error"], r["output_tokens"]) for r in replayed] == [
+        ("batch", None, 3), ("gold", "invalid_request", 0)]

@@ -18,6 +18,7 @@ router drains (``close``). Decisions, their reasons and the pressures are on ``/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ class RouterPlanner:
         self.interval_s, self.switch_timeout_s, self.scaler, self.spawn = interval_s, switch_timeout_s, scaler, spawn
         self.busy = False  # a decision is being carried out
         self.closed = False
+        self.base = planner.cfg   # the configured targets; ``targets`` tightens them per evaluation
+        self.targets: Callable[[], tuple[float, float]] | None = None   # the live classes' tightest TTFT, TPOT
         self.failed = 0
         self._decisions = Counter(f"{P}_decisions", "P:D planner decisions made, by kind, role and reason",
                                   ["kind", "role", "reason"], registry=registry)
@@ -95,6 +98,7 @@ class RouterPlanner:
         self._leader.set(int(lead))
         if not lead or self.busy:
             return []
+        self.planner.cfg = self.weighed()
         actions = self.planner.decide(now, self.pool(now))
         p, d = self.planner.last_pressures
         self._pressure.labels(role="prefill").set(min(p, 1e6))
@@ -107,6 +111,15 @@ class RouterPlanner:
             self.busy = True
             self.spawn(self._carry_out(action))
         return actions
+
+    def weighed(self) -> PlannerConfig:
+        """The configured targets, tightened to the most demanding SLO class with a stream in flight (its TTFT
+        and TPOT targets where it has them and they are tighter): a pool serving interactive streams is short of
+        capacity sooner than one serving batch alone."""
+        ttft, tpot = self.targets() if self.targets is not None else (0.0, 0.0)
+        base = self.base
+        return dataclasses.replace(base, ttft_slo_s=min(base.ttft_slo_s, ttft or base.ttft_slo_s),
+                                   tpot_slo_s=min(base.tpot_slo_s, tpot or base.tpot_slo_s))
 
     async def run(self) -> None:
         while not self.closed:

@@ -118,6 +118,7 @@ class RouterService(Service):
         self.planner = RouterPlanner.for_router(self.nc, self.table, c, self.placer.cost, self.metrics.registry,
                                                 self.runtime.spawn)
         if self.planner is not None:
+            self.planner.targets = self.live_class_targets
             self.runtime.spawn(self.planner.run())
         if c.http_port >= 0:
             self.http = HttpApi(self)
@@ -302,6 +303,13 @@ class RouterService(Service):
                                  "deepinfer.completion_tokens": int(usage.get("completion_tokens", 0) or 0),
                                  "deepinfer.ttft_ms": (stream.ttft_s or 0.0) * 1000.0,
                                  "deepinfer.failovers": int(usage.get("failovers", 0) or 0)})
+
+    def live_class_targets(self) -> tuple[float, float]:
+        """The tightest TTFT and TPOT targets (0: none) among the SLO classes of the streams relayed now."""
+        live = {s.slo_class for s in self.relay.live.values()} if self.relay is not None else set()
+        classes = [self.slo.classes[c] for c in live if c in self.slo.classes]
+        return (min((c.ttft_s for c in classes if c.ttft_s), default=0.0),
+                min((c.tpot_s for c in classes if c.tpot_s), default=0.0))
 
     def _ttft_target(self, klass: SloClass) -> float | None:
         """The TTFT a placement must be predicted to meet, else ``overloaded``: the class's target, for classes no

@@ -41,9 +41,9 @@ class DecodeService(Worker):
         with tracing.span("decode", tracing.context_of(msg.headers),
                           {"deepinfer.request_id": req.request_id, "deepinfer.worker": self.config.worker_id,
                            "deepinfer.handoff": isinstance(req, protocol.KVHandoff)}, server=True) as span:
-            await self._serve_request(msg, req, span)
+            await self._decode_request(msg, req, span)
 
-    async def _serve_request(self, msg, req, span) -> None:
+    async def _decode_request(self, msg, req, span) -> None:
         """A hand-off or a local-prefill request (``on_message``), its chunks published until it ends."""
         params = req.sampling
         rid, eng = req.request_id, self.engine

@@ -42,9 +42,9 @@ class PrefillService(Worker):
         with tracing.span("prefill_request", tracing.context_of(msg.headers),
                           {"deepinfer.request_id": req.request_id, "deepinfer.worker": self.config.worker_id},
                           server=True):
-            await self._serve_request(req, params)
+            await self._prefill_request(req, params)
 
-    async def _serve_request(self, req: protocol.PrefillRequest, params) -> None:
+    async def _prefill_request(self, req: protocol.PrefillRequest, params) -> None:
         """An accepted prefill request (``on_prefill``): prefill, hand off, write back, release."""
         rid = req.request_id
         deadline = time.monotonic() + req.deadline_s  # the rest of it travels in the hand-off

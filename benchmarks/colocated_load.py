@@ -4,7 +4,10 @@ threads spinning at barriers (libgomp's default, ``OMP_WAIT_POLICY`` unset), sle
 one thread fewer than the cores. Each run is a fresh process (the policy is read when torch starts), after a
 warm-up pass; the ratio loaded / alone is what to compare (issue 36 asks >= 0.8 x (N - 1) / N).
 
-    python -m benchmarks.colocated_load [--prompts 32] [--tokens 32]
+With ``--served``: the same through ``deepinfer up``'s processes (router, one aggregated decode worker, the plain
+NATS API at concurrency 16), the policy set in the worker's environment.
+
+    python -m benchmarks.colocated_load [--prompts 32] [--tokens 32] [--served]
 """
 from __future__ import annotations
 
@@ -58,22 +61,70 @@ def measure(env_extra: dict[str, str], threads: int, busy: bool, args) -> float:
     return result["tok_s"]
 
 
+async def served_run(env_extra: dict[str, str], busy: bool, args) -> float:
+    import asyncio
+
+    from benchmarks.engine_throughput import load_prompt_set
+    from cli.launcher import Cluster, ClusterSpec
+    from shared import protocol
+    from shared.bus import connect
+    from shared.client import generate
+
+    cluster = Cluster(ClusterSpec(prefill=0, decode=1, cache_tier=0, metrics=False, http_port=-1, extra_env=env_extra))
+    await cluster.start()
+    loop = None
+    try:
+        nc = await connect(cluster.nats_url, "bench")
+        ids = load_prompt_set("distinct", args.prompts)
+        limit = asyncio.Semaphore(16)
+
+        async def one(i: int, p: list[int]) -> int:
+            async with limit:
+                req = protocol.GenerateRequest(prompt_token_ids=p, max_tokens=args.tokens, temperature=0.0,
+                                               ignore_eos=True, request_id=f"r{i}-{busy}", timeout_s=600.0)
+                return len((await generate(nc, req))[0])
+        await one(-1, ids[0])   # warm-up
+        if busy:
+            loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            await asyncio.sleep(0.5)
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one(i, p) for i, p in enumerate(ids)))
+        tok_s = sum(done) / (time.perf_counter() - t0)
+        await nc.close()
+    finally:
+        if loop is not None:
+            loop.kill()
+            loop.wait()
+        await asyncio.to_thread(cluster.stop)
+    return tok_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--served", action="store_true", help="through deepinfer up's processes")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logger.setLevel(logging.INFO)
     cores = os.cpu_count() or 1
     policies = [("spinning (OMP_WAIT_POLICY unset)", {}, cores),
                 ("passive (OMP_WAIT_POLICY=PASSIVE)", {"OMP_WAIT_POLICY": "PASSIVE"}, cores),
+                ("short spin (GOMP_SPINCOUNT=10000)", {"GOMP_SPINCOUNT": "10000"}, cores),
+                ("short spin (GOMP_SPINCOUNT=100000)", {"GOMP_SPINCOUNT": "100000"}, cores),
                 (f"{max(1, cores - 1)} thread(s), spinning", {}, max(1, cores - 1))]
     logger.info("%d cores; %d prompts x %d tokens; one busy-loop process beside the loaded runs", cores,
                 args.prompts, args.tokens)
+    if args.served:
+        import asyncio
+
+        policies = [(n, e, t) for n, e, t in policies if t == cores and "GOMP" not in str(e)]
     for name, env, threads in policies:
-        alone = measure(env, threads, False, args)
-        loaded = measure(env, threads, True, args)
+        if args.served:
+            alone, loaded = (asyncio.run(served_run(env, busy, args)) for busy in (False, True))
+        else:
+            alone = measure(env, threads, False, args)
+            loaded = measure(env, threads, True, args)
         logger.info("  %-34s alone %6.1f tok/s, with a busy loop %6.1f tok/s (%.2fx; target >= %.2fx)", name, alone,
                     loaded, loaded / alone, 0.8 * (cores - 1) / cores)
 

@@ -34,7 +34,8 @@ async def generate_retrying(nc, request: protocol.GenerateRequest) -> list[int]:
     pytest.fail("the router never placed the request")
 
 
-async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
+async def test_cluster_with_auth_serves_a_client_end_to_end(folder, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")   # an operator's OpenMP policy reaches every engine
     cluster = Cluster(ClusterSpec(prefill=1, decode=1, model=str(folder), kv_cache_mb=32, dtype="float64",
                                   local_prefill_threshold=0, transports="stream", auth=True, metrics=False,
                                   http_port=-1, tenants=["a"]))
@@ -49,6 +50,7 @@ async def test_cluster_with_auth_serves_a_client_end_to_end(folder):
             assert not any(pw in cmdline for pw in cluster.passwords.values())
             environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
             assert f"DEEPINFER_NATS_USER={roles[name]}.{name}".encode() in environ  # its own instance user
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ
         nc = await cluster.connect_client()
         try:
             first = await generate_retrying(nc, request)

@@ -9,7 +9,8 @@ opentelemetry is never imported.
 Spans (``deepinfer.*``; attributes name workers, counts and outcomes, never prompts or tokens):
 - router: ``request`` (the entry: API, request id, SLO class, prompt / cached / completion tokens, TTFT, outcome),
   ``gate`` (the wait for a dispatch slot), ``placement`` (the chosen workers and transport), ``attempt`` (one
-  placement's life; events ``first_token``, and ``failover`` / ``refused`` when it ends so);
+  placement's life; events ``first_token``, and ``failover`` / ``refused`` when it ends so; a live migration
+  adds ``migrated`` to the request span);
 - prefill worker: ``prefill`` (tier pull included, until its first token is published: tokens, cached and tier
   tokens), ``kv_handoff`` (staging and the decode worker's acknowledgement: transport, bytes);
 - decode worker: ``decode`` (its tokens; events ``first_token``), ``kv_fetch`` (a hand-off's bytes).

@@ -139,6 +139,8 @@ class Migrator:
             att.account.move(source, dest)
             att.decode_w = dest
         stream.migrations, stream.moved_at = stream.migrations + 1, time.monotonic()
+        stream.span.add_event("migrated", {"deepinfer.source": source.report.worker_id,
+                                           "deepinfer.target": dest.report.worker_id, "deepinfer.transport": transport})
         self.done += 1
         logger.info("[%s] migrated %s -> %s over %s", rid, source.report.worker_id, dest.report.worker_id, transport)
         return dest.report.worker_id

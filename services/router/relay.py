@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from shared import protocol, subjects, tracing
 from shared.errors import DeepinferError, ErrorCode
@@ -82,6 +83,7 @@ class Stream:
     retention: str = ""  # the retention class the request got (its own or the API's default), told in usage
     slo_class: str = ""  # the SLO class it runs in (shared/slo_classes.py), told in usage
     priority: int = 0  # its request's, its class's shift included (the migration policy moves batch first)
+    span: Any = tracing.NO_SPAN  # its request span (``shared/tracing.py``): migrations add events to it
     ttft_target_s: float | None = None  # refuse placements predicted to start later than this (None: never)
 
     def whole_usage(self, usage: dict, completion_tokens: int, failovers: int) -> dict:

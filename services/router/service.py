@@ -262,7 +262,7 @@ class RouterService(Service):
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
                         next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens),
                         holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self._ttft_target(klass),
-                        priority=req.priority)
+                        priority=req.priority, span=span)
         self.metrics.request_started(api)
         outcome = "finished"
         try:

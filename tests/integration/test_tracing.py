@@ -67,3 +67,15 @@ async def test_a_remote_prefill_request_is_one_trace_whose_spans_add_up_to_its_t
           f"{seconds['placement'] * 1000:.2f} + prefill {seconds['prefill'] * 1000:.1f} ms + hops "
           f"{(ttft - parts) * 1000:.1f} ms")
     assert parts <= ttft + 0.005 and ttft - parts < 0.1 + 0.2 * ttft   # the NATS hops: dispatch and first chunk
+
+
+async def test_a_live_migration_is_an_event_on_the_request_span(nats_server, folder, spans):
+    from tests.integration.test_deepseek_services import migrated_stream
+
+    prompt = [(5 * i) % 250 + 3 for i in range(40)]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=2, transports="shm,stream",
+                                router_kw={"migrate_skew_min": 0, "migrate_kv_high": 2.0}) as cluster:
+        ack, chunks = await migrated_stream(nats_server.url, cluster, prompt, 200)
+    request = next(s for s in spans.get_finished_spans() if s.name == "deepinfer.request")
+    moved = [e for e in request.events if e.name == "migrated"]
+    assert len(moved) == 1 and moved[0].attributes["deepinfer.target"] == ack.detail

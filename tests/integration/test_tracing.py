@@ -79,3 +79,40 @@ async def test_a_live_migration_is_an_event_on_the_request_span(nats_server, fol
     request = next(s for s in spans.get_finished_spans() if s.name == "deepinfer.request")
     moved = [e for e in request.events if e.name == "migrated"]
     assert len(moved) == 1 and moved[0].attributes["deepinfer.target"] == ack.detail
+
+
+async def test_a_failover_is_an_event_on_the_attempt_that_failed(nats_server, folder, spans):
+    """The placement's first choice is a ghost decode worker (heartbeats, no responder): that attempt's span ends
+    with a ``failover`` event naming why, the second attempt serves the request, both under one request span."""
+    import asyncio
+
+    from tests.integration.services_harness import wait_until
+    from tests.integration.test_failover_dispatch import ghost_heartbeats, ghost_of
+
+    request = protocol.GenerateRequest(prompt_token_ids=list(range(3, 40)), max_tokens=4, temperature=0.0,
+                                       ignore_eos=True, prefill_mode="local")
+    async with InProcessCluster(nats_server.url, folder, transports="shm") as cluster:
+        real = next(w for w in cluster.workers if w.config.role == "decode")
+        stop = asyncio.Event()
+        beating = asyncio.create_task(ghost_heartbeats(nats_server.url, ghost_of(real, "decode"), stop))
+        try:
+            assert await wait_until(lambda: cluster.router.table.is_alive("a-ghost"))
+            nc = await connect(nats_server.url)
+            try:
+                _, _, usage = await generate(nc, request)
+            finally:
+                await nc.close()
+        finally:
+            stop.set()
+            await beating
+    assert usage["failovers"] == 1
+    done = spans.get_finished_spans()
+    attempts = sorted((s for s in done if s.name == "deepinfer.attempt"), key=lambda s: s.start_time)
+    request_span = next(s for s in done if s.name == "deepinfer.request")
+    assert [a.attributes["deepinfer.placement"] for a in attempts] == [0, 1]
+    failed = attempts[0].events   # the event, then the exception the span recorded as it ended
+    assert [e.name for e in failed] == ["failover", "exception"] and "a-ghost" in failed[0].attributes["reason"]
+    assert not attempts[0].status.is_ok and attempts[1].status.is_unset
+    assert [e.name for e in attempts[1].events] == ["first_token"]
+    assert all(a.parent.span_id == request_span.context.span_id for a in attempts)
+    assert request_span.attributes["deepinfer.failovers"] == 1

@@ -17,10 +17,10 @@ import time
 
 from benchmarks.e2e_services import pct
 from benchmarks.engine_throughput import load_prompt_set
+from benchmarks.slo_classes import ttft
 from cli.launcher import Cluster, ClusterSpec
 from shared import protocol
 from shared.bus import connect
-from shared.client import generate_stream
 
 logger = logging.getLogger("tracing_overhead")
 
@@ -45,15 +45,6 @@ class Collector(http.server.BaseHTTPRequestHandler):
         pass
 
 
-async def one(nc, req: protocol.GenerateRequest) -> tuple[float, int]:
-    t0, first, n = time.perf_counter(), None, 0
-    async for chunk in generate_stream(nc, req):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter() - t0
-        n += len(chunk.token_ids)
-    return first or 0.0, n
-
-
 async def run(traced: bool, endpoint: str, args, prompts: list[list[int]]) -> dict:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint} if traced else {}
     cluster = Cluster(ClusterSpec(prefill=1, decode=1, cache_tier=0, metrics=False, http_port=-1,
@@ -65,7 +56,7 @@ async def run(traced: bool, endpoint: str, args, prompts: list[list[int]]) -> di
 
         async def bounded(i: int, p: list[int]):
             async with limit:
-                return await one(nc, protocol.GenerateRequest(prompt_token_ids=p, max_tokens=args.tokens,
+                return await ttft(nc, protocol.GenerateRequest(prompt_token_ids=p, max_tokens=args.tokens,
                                                               temperature=0.0, ignore_eos=True,
                                                               prefill_mode="remote", request_id=f"r{i}"))
         await bounded(-1, prompts[0])   # warm-up
@@ -75,8 +66,8 @@ async def run(traced: bool, endpoint: str, args, prompts: list[list[int]]) -> di
         await nc.close()
     finally:
         await asyncio.to_thread(cluster.stop)   # the services flush their spans as they close
-    ttfts = [t for t, _ in done]
-    return {"tok_s": sum(n for _, n in done) / wall, "ttft_p50": statistics.median(ttfts), "ttft_p99": pct(ttfts, 0.99)}
+    ttfts = [t or 0.0 for t, _, _ in done]
+    return {"tok_s": sum(n for _, n, _ in done) / wall, "ttft_p50": statistics.median(ttfts), "ttft_p99": pct(ttfts, 0.99)}
 
 
 async def main_async(args) -> None:

@@ -22,6 +22,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +164,11 @@ def unpack(pages: torch.Tensor, config: ModelConfig, num_tokens: int) -> V4Seque
     need = context_numel(config, num_tokens)
     if flat.numel() < need:
         raise ValueError(f"{flat.numel()} numbers cannot hold a DeepSeek V4 state over {num_tokens} tokens ({need})")
+    return assemble(config, num_tokens, reader(flat))
+
+
+def reader(flat: torch.Tensor) -> Callable[[tuple[int, int]], torch.Tensor]:
+    """``take(shape)``: the next ``rows x cols`` numbers of ``flat`` as a tensor of its own."""
     at = 0
 
     def take(shape: tuple[int, int]) -> torch.Tensor:
@@ -171,16 +177,25 @@ def unpack(pages: torch.Tensor, config: ModelConfig, num_tokens: int) -> V4Seque
         part = flat[at:at + rows * cols].view(rows, cols).clone()
         at += rows * cols
         return part
+    return take
 
-    def compressor(shapes: list[tuple[int, int]]) -> CompressorState:
-        return CompressorState(*(take(shape) for shape in shapes))   # 3 parts, or 5 with the overlap
+
+def assemble(config: ModelConfig, num_tokens: int, take: Callable[[tuple[int, int]], torch.Tensor],
+             entries: Iterator[torch.Tensor] | None = None) -> V4SequenceState:
+    """A state over ``num_tokens`` tokens from its parts in ``layout`` order, each ``take(shape)``; with
+    ``entries``, every compressor's entries come from it instead (in layout order: a CSA layer's compressor, then
+    its indexer), the other parts from ``take`` (``v4_tier.join``)."""
+    def compressor(shapes: list[tuple[int, int]]) -> CompressorState:   # 3 parts, or 5 with the overlap
+        first = next(entries) if entries is not None else take(shapes[0])
+        return CompressorState(first, *(take(shape) for shape in shapes[1:]))
 
     layers = []
     for kind, parts in zip(config.v4.layer_types, layout(config, num_tokens)):
         layer = LayerState(take(parts[0]))
         if kind == "compressed_sparse_attention":
             half = (len(parts) - 1) // 2
-            layer.compressor, layer.indexer = compressor(parts[1:1 + half]), compressor(parts[1 + half:])
+            layer.compressor = compressor(parts[1:1 + half])
+            layer.indexer = compressor(parts[1 + half:])
         elif kind == "heavily_compressed_attention":
             layer.compressor = compressor(parts[1:])
         layers.append(layer)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.model.config import ModelConfig
-from shared.model.v4_state import CompressorState, LayerState, V4SequenceState, layout
+from shared.model.v4_state import V4SequenceState, assemble, reader
 
 
 def _compressors(config: ModelConfig) -> list[tuple[int, int, int]]:
@@ -144,24 +144,4 @@ def join(run: torch.Tensor, has_window: Sequence[bool], config: ModelConfig, blo
         tables.append(torch.cat(parts) if parts else rows.new_zeros(0, d))
         at += math.ceil(block_size / ratio) * d
     flat = run[starts[last] + 1:starts[last] + 1 + extra].reshape(-1)
-    pos = 0
-
-    def take(rows_cols: tuple[int, int]) -> torch.Tensor:
-        nonlocal pos
-        r, c = rows_cols
-        part = flat[pos:pos + r * c].view(r, c).clone()
-        pos += r * c
-        return part
-
-    tables_iter = iter(tables)
-    layers = []
-    for kind, parts in zip(config.v4.layer_types, layout(config, n)):
-        layer = LayerState(take(parts[0]))
-        if kind == "compressed_sparse_attention":
-            half = (len(parts) - 1) // 2
-            layer.compressor = CompressorState(next(tables_iter), *(take(s) for s in parts[2:1 + half]))
-            layer.indexer = CompressorState(next(tables_iter), *(take(s) for s in parts[2 + half:]))
-        elif kind == "heavily_compressed_attention":
-            layer.compressor = CompressorState(next(tables_iter), *(take(s) for s in parts[2:]))
-        layers.append(layer)
-    return V4SequenceState(layers, n)
+    return assemble(config, n, reader(flat), iter(tables))

@@ -41,6 +41,14 @@ def run(eng: LLMEngine, until_done: bool = True) -> tuple[dict[str, list[int]], 
     return tokens, steps
 
 
+def stepper(eng: LLMEngine, got: dict[str, list[int]]):
+    """One engine step per call, each request's tokens gathered into ``got``."""
+    def step() -> None:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return step
+
+
 def test_equal_priorities_schedule_as_fcfs(model):
     traces = []
     for policy in ("fcfs", "priority"):
@@ -106,10 +114,7 @@ def test_a_more_urgent_arrival_takes_a_seat_back_and_all_end_exact(model):
     want = {rid: reference.generate([prompt(i)], params())[0] for i, rid in enumerate(["b0", "b1", "same", "chat"])}
     eng = engine(model, "priority", max_num_seqs=2)
     got: dict[str, list[int]] = {}
-
-    def step() -> None:
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    step = stepper(eng, got)
 
     for i, rid in enumerate(["b0", "b1"]):
         eng.add_request(prompt(i), params(priority=1_000_000), request_id=rid)
@@ -136,10 +141,7 @@ def test_a_sequence_preempted_after_its_allocation_leaves_no_unwritten_block_cac
     want = {rid: reference.generate([prompt(i, 7)], params())[0] for i, rid in enumerate(["b0", "b1", "chat"])}
     eng = engine(model, "priority", max_num_seqs=2)
     got: dict[str, list[int]] = {}
-
-    def step() -> None:
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    step = stepper(eng, got)
 
     for i, rid in enumerate(["b0", "b1"]):
         eng.add_request(prompt(i, 7), params(priority=9), request_id=rid)

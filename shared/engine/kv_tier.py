@@ -88,8 +88,8 @@ class TierFlow:
                            has_window: list[bool] | None) -> int:
         """A state layout's ``import_tier_blocks``: the run (blocks ``0 ..``, ``v4_tier``'s packed run, or
         ``[n, *tier_block_shape]`` whole blocks) becomes the snapshot at the end of its last block with a tail
-        within the prompt's reusable blocks; returns that snapshot's blocks (0: none, no room, or ``first > 0``:
-        a state is never rebuilt from part of its entries)."""
+        within the prompt's reusable blocks; returns that snapshot's blocks (0: none, no room, one no longer than
+        the local snapshot's, or ``first > 0``: a state is never rebuilt from part of its entries)."""
         config, bs, shape = self.engine.model.config, self.engine.config.block_size, self.tier_block_shape
         whole = kv.dim() == 3 and list(kv.shape[1:]) == shape   # whole blocks: each carries its tail rows
         if not (whole or kv.dim() == 2 and kv.shape[1] == shape[1]) or kv.dtype != self.dtype:
@@ -97,6 +97,9 @@ class TierFlow:
                                  f"this engine's DeepSeek V4 tier blocks {shape} {self.dtype}")
         if whole or has_window is None:
             has_window = [True] * (int(kv.shape[0]) if whole else int(kv.shape[0]) // shape[0])
+        if not whole and block_pack.packed_rows(has_window, shape[0], 1) != kv.shape[0]:
+            raise DeepinferError(ErrorCode.TRANSFER_FAILED, f"{len(has_window)} window flags for a run of "
+                                 f"{kv.shape[0]} rows of DeepSeek V4 tier blocks")
         count = max(0, min(len(has_window), self._reusable_blocks(prompt_token_ids) - first))
         if first or not self.engine.config.enable_prefix_caching:
             return 0
@@ -104,6 +107,8 @@ class TierFlow:
         ends = [j for j in range(count) if has_window[j]]
         if ends and self._bm.cached_snapshot(req, ends[-1] + 1):   # imported before (a re-import): kept
             return ends[-1] + 1
+        if not ends or ends[-1] + 1 <= self._bm.cached_prefix(req):   # no tail, or one below the local snapshot
+            return 0
         try:
             state = v4_tier.join(kv.to(self.device), has_window, config, bs, count)
         except ValueError as err:

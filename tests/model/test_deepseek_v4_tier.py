@@ -143,6 +143,10 @@ def test_the_next_turn_writes_only_its_own_blocks_and_hits_exactly(loaded):
         assert dst.kv_port.import_tier_blocks(turn, "", 0, both, has_window) == hit
         dst.add_request(turn, GREEDY, "y")
         assert run(dst, "y") == reference(loaded, turn, bs)
+    kept = len(dst.block_manager.snapshots)   # dst holds turn 3's own snapshots now
+    assert dst.kv_port.import_tier_blocks(turn3, "", 0, run1[rows1].reshape(-1, run1.shape[-1]),
+                                          block_pack.decode_mask(mask1, n1)) == 0   # below its own: nothing added
+    assert len(dst.block_manager.snapshots) == kept
     entry_bytes = both.element_size() * both.shape[1]
     tails = v4_tier.block_shape(src.model.config, bs)[0] - 1
     assert both.numel() * both.element_size() == (n1 + n2 + 2 * tails) * entry_bytes   # nothing stored twice

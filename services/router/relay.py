@@ -126,6 +126,7 @@ class Relay:
         self.dispatch_timeout_s, self.max_failovers, self.max_refusals = dispatch_timeout_s, max_failovers, max_refusals
         self.stall_probe_s, self.worker_wait_s = stall_probe_s, worker_wait_s
         self.live: dict[str, Stream] = {}  # client request id -> its stream, while this router relays it
+        self.listening_since = time.monotonic()   # before a whole heartbeat window, an unseen role may still beat
 
     async def serve(self, req: protocol.GenerateRequest, prompt: list[int], stream: Stream) -> None:
         self.live[stream.rid] = stream
@@ -228,10 +229,16 @@ class Relay:
 
     async def _await_workers(self, stream: Stream, roles: tuple[str, ...]) -> None:
         """Wait (at most ``worker_wait_s`` and the stream's deadline) while a role in ``roles`` has no placeable
-        worker but the table knows one that may come back: a heartbeat late on a loaded host, or a restart,
-        costs the request a delay, not an ``unavailable``. Returns at once when each has one or none is known."""
+        worker but the table knows one that may come back (a heartbeat late on a loaded host, a restart), or this
+        router has not listened for a whole heartbeat window yet (``worker_dead_after_s``: a worker started before
+        it may not have beaten since): that costs the request a delay, not an ``unavailable``. Returns at once
+        when each role has a worker, or none is known and the router has heard a whole window."""
         until = min(stream.deadline, time.monotonic() + self.worker_wait_s)
-        while time.monotonic() < until and any(not self.table.placeable(r) and self.table.known(r) for r in roles):
+
+        def may_come(role: str) -> bool:
+            fresh = time.monotonic() - self.listening_since < self.table.dead_after_s
+            return self.table.known(role) or fresh
+        while time.monotonic() < until and any(not self.table.placeable(r) and may_come(r) for r in roles):
             await asyncio.sleep(0.05)
 
     def prompt_holder(self, rid: str) -> dict[str, int]:

@@ -251,3 +251,32 @@ async def test_a_request_waits_out_a_late_heartbeat_instead_of_failing(nats_serv
             deaf = False
     assert ids == expected and usage["failovers"] == 0
     assert ended.value.code == ErrorCode.UNAVAILABLE and "no decode worker is alive" in ended.value.message
+
+
+async def test_a_request_to_a_router_that_has_not_heard_a_heartbeat_window_waits_for_the_workers(nats_server, folder):
+    """A router that just started has heard no worker yet (fault injection: its table forgets every worker and
+    hears none for 0.6 s): a request waits for the workers' first beats instead of ``unavailable`` (a CI run's
+    first request after a cluster start got "no prefill worker is alive"); once the router has listened a whole
+    window, a role nobody ever heard of is ``unavailable`` at once, the old rule."""
+    prompt = list(range(9, 40))
+    expected = reference_outputs(folder, [prompt], 6)[0]
+    async with InProcessCluster(nats_server.url, folder, prefill=1, decode=1, transports="shm") as cluster:
+        table, relay, update = cluster.router.table, cluster.router.relay, cluster.router.table.update
+        deaf = True
+        table.update = lambda report, now=None: None if deaf else update(report, now)
+        table.workers.clear()
+        relay.listening_since = time.monotonic()   # a fresh router
+        asked = asyncio.create_task(generate_once(nats_server.url, request(prompt, max_tokens=6,
+                                                                          prefill_mode="remote")))
+        await asyncio.sleep(0.6)
+        assert not asked.done()
+        deaf = False
+        ids, _, usage = await asyncio.wait_for(asked, 20)
+        deaf = True
+        table.workers.clear()
+        relay.listening_since -= 60.0                # it has listened long: nobody there means nobody
+        with pytest.raises(DeepinferError) as ended:
+            await generate_once(nats_server.url, request(prompt, max_tokens=6))
+        deaf = False
+    assert ids == expected and usage["failovers"] == 0
+    assert ended.value.code == ErrorCode.UNAVAILABLE

@@ -97,6 +97,14 @@ class SloClasses:
     def least_urgent(self) -> SloClass:
         return max(self.classes.values(), key=lambda c: c.priority)
 
+    def refusal_target(self, klass: SloClass) -> float | None:
+        """The TTFT a placement of ``klass`` must be predicted to meet, else ``overloaded``: its target, for classes
+        no more urgent than the default (the prediction counts every request queued on a worker, and a more urgent
+        class is scheduled ahead of the less urgent ones among them); None: no target."""
+        if not klass.ttft_s or klass.priority < self.classes[self.default].priority:
+            return None
+        return klass.ttft_s
+
     def resolve(self, slo_class: str = "", service_tier: str = "", tenant_class: str = "") -> SloClass:
         """The class a request runs in (module docstring); ``invalid_request`` for an unknown class or tier."""
         if slo_class and slo_class not in self.classes:

@@ -59,12 +59,7 @@ class ClassMix:
 
     def ttft_target(self, name: str, deployment_ttft_s: float | None) -> float | None:
         """The TTFT a placement must be predicted to meet (None: none), as the router decides it."""
-        if not self.on:
-            return deployment_ttft_s
-        klass, default = self.slo.classes[name], self.slo.classes[self.slo.default]
-        if not klass.ttft_s or klass.priority < default.priority:
-            return None
-        return klass.ttft_s
+        return self.slo.refusal_target(self.slo.classes[name]) if self.on else deployment_ttft_s
 
 
 def _default(slo_spec: str) -> str:

@@ -21,6 +21,7 @@ import time
 from bisect import bisect_left
 
 from shared import progress
+from services.router.fair_gate import may_overcommit
 from services.router.policy.placement import place_request
 from services.router.policy.profiles import Profile
 from simulator.state import SimRequest, SimWorker
@@ -104,11 +105,8 @@ class Simulation:
         self.dispatch(tr, pos)
 
     def _may_dispatch(self, priority: int) -> bool:
-        dispatched = sum(self.dispatched_at.values())
-        if dispatched < self.window:
-            return True
-        urgent = sum(n for p, n in self.dispatched_at.items() if p <= priority)
-        return urgent < self.window and dispatched < 2 * self.window and urgent < dispatched
+        return sum(self.dispatched_at.values()) < self.window or may_overcommit(self.dispatched_at, self.window,
+                                                                                priority)
 
     def _pump(self) -> None:
         while self.waiting and self._may_dispatch(self.waiting[0][0]):

@@ -61,6 +61,15 @@ class Shed(DeepinferError):
         super().__init__(ErrorCode.OVERLOADED, message)
 
 
+def may_overcommit(dispatched_at: dict[int, int], window: int, priority: int) -> bool:
+    """Whether a request of ``priority`` may dispatch beyond a full ``window`` (``dispatched_at``: priority ->
+    requests dispatched): fewer than ``window`` as urgent or more are dispatched, some less urgent one is (an
+    engine takes its seat back), and fewer than ``2 * window`` in all. The simulator's gate uses it too."""
+    dispatched = sum(dispatched_at.values())
+    urgent = sum(n for p, n in dispatched_at.items() if p <= priority)
+    return urgent < window and dispatched < 2 * window and urgent < dispatched
+
+
 class FairGate:
     def __init__(self, window: Callable[[], int | None], tenant_max: int,
                  weights: dict[str, float] | None = None, headroom: float = HEADROOM,
@@ -95,8 +104,7 @@ class FairGate:
         if window is None:
             return True
         if self.dispatched >= window:
-            urgent = sum(n for p, n in self.dispatched_at.items() if p <= priority)
-            return urgent < window and self.dispatched < 2 * window and urgent < self.dispatched
+            return may_overcommit(self.dispatched_at, window, priority)
         now = time.monotonic()
         active = [t for t, seen in self._seen.items() if now - seen < self.recent_s or self.held.get(t)]
         if len(active) < 2 or self.dispatched < window - math.floor(window * self.headroom):

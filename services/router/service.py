@@ -45,7 +45,7 @@ from services.router.choices import serve_choices
 from services.router.tokenize import load_tokenizer, prompt_token_ids
 from services.router.fair_gate import FairGate, Shed, TenantLimit
 from shared.sampling import MAX_PRIORITY
-from shared.slo_classes import SloClass, SloClasses, parse_tenant_classes
+from shared.slo_classes import SloClasses, parse_tenant_classes
 from services.router.tenancy import tenant_salt
 from services.router.workers import WorkerTable
 from services.router.policy.kv_index import KVIndex
@@ -261,7 +261,7 @@ class RouterService(Service):
         self.owners[rid] = (api, tenant)
         stream = Stream(rid, send, 0, time.monotonic() + (req.timeout_s or protocol.MAX_REQUEST_S),
                         next_seq=req.resume_seq, delivered=list(req.resume_tokens), resumed=bool(req.resume_tokens),
-                        holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self._ttft_target(klass),
+                        holders=dict(holders or {}), slo_class=klass.name, ttft_target_s=self.slo.refusal_target(klass),
                         priority=req.priority, span=span)
         self.metrics.request_started(api)
         outcome = "finished"
@@ -310,14 +310,6 @@ class RouterService(Service):
         classes = [self.slo.classes[c] for c in live if c in self.slo.classes]
         return (min((c.ttft_s for c in classes if c.ttft_s), default=0.0),
                 min((c.tpot_s for c in classes if c.tpot_s), default=0.0))
-
-    def _ttft_target(self, klass: SloClass) -> float | None:
-        """The TTFT a placement must be predicted to meet, else ``overloaded``: the class's target, for classes no
-        more urgent than the default (the prediction counts every request queued on a worker, and a more urgent
-        class is scheduled ahead of the less urgent ones among them); None: no target."""
-        if not klass.ttft_s or klass.priority < self.slo.classes[self.slo.default].priority:
-            return None
-        return klass.ttft_s
 
     def _retention(self, req: protocol.GenerateRequest) -> str:
         """The request's retention class: its own, else the deployment's default for its API."""

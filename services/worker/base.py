@@ -103,6 +103,7 @@ class Worker(TierMixin, Service):
                                    c.tier_write_queue, codec)
             await self.tier.start()
             await self.tier.warm_staging(engine.kv_port.block_bytes)
+            self.start_preempt_offers()   # before any request: the engine thread reads the hook from now on
         info = protocol.WorkerInfo(worker_id=c.worker_id, role=c.role, model_id=engine.model.config.model_id,
                                    host=host, pid=os.getpid(), transports=offered,
                                    block_size=c.block_size, started_at=0.0, model_fingerprint=engine.fingerprint)

@@ -33,6 +33,8 @@ class WorkerConfig(ServiceConfig):
     tier_kv_format: str = ""  # blocks to and from the tier compressed: fp8 | int8 ("" = the model's dtype)
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
+    preempt_offer_mib: int = 256  # with a tier: preempted sequences' KV copied for it, at most this much at once
+    #                               (they resume from the tier, not by recompute); 0 = preempted sequences recompute
     draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
     drafter: str = DEFAULT_DRAFTER  # with draft=local: prompt_lookup | self:<layers> | mtp | a smaller model's path
     spec_k: int = 5  # tokens drafted per sequence and step
@@ -49,8 +51,10 @@ class WorkerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)  # slots=True rebuilds the class: no zero-argument super()
-        if self.tier_timeout_s <= 0 or self.tier_write_queue < 0 or self.router_dead_after_s <= 0:
-            raise ValueError("tier_timeout_s and router_dead_after_s must be positive and tier_write_queue >= 0")
+        if self.tier_timeout_s <= 0 or self.tier_write_queue < 0 or self.router_dead_after_s <= 0 \
+                or self.preempt_offer_mib < 0:
+            raise ValueError("tier_timeout_s and router_dead_after_s must be positive, tier_write_queue and "
+                             "preempt_offer_mib >= 0")
         if self.draft not in ("", "local", "remote") or not 1 <= self.spec_k <= 16 or self.spec_max_batch < 1 \
                 or self.draft_timeout_s <= 0:
             raise ValueError("draft must be '', local or remote; spec_k in 1..16; spec_max_batch >= 1; "

@@ -163,7 +163,16 @@ class WorkerCollector(Collector):
         yield counter(f"{P}_prefix_cache_query_tokens", "Tokens looked up in the prefix cache", lb,
                       bm.num_query_tokens)
         yield counter(f"{P}_prefix_cache_hit_tokens", "Tokens found in the prefix cache", lb, bm.num_hit_tokens)
-        yield counter(f"{P}_preemptions", "Sequences preempted (recomputed later)", lb, eng.num_preemptions)
+        yield counter(f"{P}_preemptions", "Sequences preempted (resumed from the cache tier or recomputed later)",
+                      lb, eng.num_preemptions)
+        if eng.kv_port.preempted.enabled:
+            pc = eng.kv_port.preempted.counters
+            yield counter_by(f"{P}_preempted_kv", "Preempted sequences whose KV was offered to the cache tier, by "
+                             "how they resumed (not_offered: over preempt_offer_mib)", lb, "result",
+                             [("offered", pc.offers), ("not_offered", pc.not_offered), ("resumed", pc.resumed),
+                              ("recomputed", pc.recomputed)])
+            yield counter(f"{P}_preempted_kv_resumed_blocks", "Blocks preempted sequences found again in their "
+                          "prefix lookup, pulled back from the cache tier", lb, pc.resumed_blocks)
         if self.vllm_labels is not None:
             yield from vllm_engine_metrics(self.vllm_labels, load, bm, eng.num_preemptions)
         load_of = getattr(eng.model, "expert_load", None)

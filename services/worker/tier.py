@@ -1,25 +1,100 @@
 """A worker's side of the cache tier (``services/worker/tier_client.py``; the engine's: ``shared/engine/kv_port.py``):
-pull the blocks a prompt lacks before it is added, write computed blocks back. Mixed into ``services.worker.base.Worker``,
-whose ``engine``, ``aengine``, ``tier`` and ``kv_source`` these use. None of them raises for the tier's sake: a
-pull that fails computes, a write-back that cannot be made is dropped and counted.
+pull the blocks a prompt lacks before it is added, write computed blocks back, and write a preempted sequence's KV
+to the tier to pull it back before it is readmitted (``shared/engine/preempted_kv.py``). Mixed into
+``services.worker.base.Worker``, whose ``engine``, ``aengine``, ``tier``, ``runtime`` and ``kv_source`` these use. None
+of them raises for the tier's sake: a pull that fails computes, a write-back that cannot be made is dropped and
+counted, a preempted sequence whose KV does not come back recomputes.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass, field
 
+from shared.engine.preempted_kv import Offer
 from shared.errors import DeepinferError
+from shared.kv.transport import transfer_timeout
+from shared.retention import NO_RETENTION
 from services.worker.tier_client import Pulled
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Resume:
+    """A preempted sequence's resume, while its KV is offered: ``wanted`` is set when the engine wants it back
+    (or it is gone: aborted, finished, given up)."""
+    wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: bool = False
+
+
 class TierMixin:
-    async def tier_pull(self, prompt: list[int], cache_salt: str, retention: str) -> Pulled | None:
-        """The prompt's reusable blocks that the local prefix cache lacks and the tier holds, or None."""
+    def start_preempt_offers(self) -> None:
+        """Offer preempted sequences' KV to the tier (off without a tier, for a state layout, or with
+        ``preempt_offer_mib`` 0). Call on the loop before requests arrive."""
+        c, eng = self.config, self.engine
+        if self.tier is None or eng.kv_port.carries_state or c.preempt_offer_mib <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._resumes: dict[str, _Resume] = {}
+
+        def sink(kind: str, request_id: str, payload) -> None:   # on the engine thread
+            loop.call_soon_threadsafe(self._on_preempted, kind, request_id, payload)
+        eng.kv_port.preempted.enable(sink, c.preempt_offer_mib << 20, c.tier_timeout_s)
+
+    def _on_preempted(self, kind: str, request_id: str, payload) -> None:
+        if kind == "offer":
+            state = self._resumes[request_id] = _Resume()
+            self.runtime.spawn(self._resume_preempted(payload, state))
+            return
+        state = self._resumes.get(request_id)
+        if state is not None:
+            state.gone = state.gone or kind == "gone"
+            state.wanted.set()
+
+    async def _resume_preempted(self, offer: Offer, state: _Resume) -> None:
+        """Write ``offer`` to the tier; once the engine wants the sequence back, pull what its device cache lacks
+        and hand it over (``PreemptedKV.resume``). Ends when the sequence is resumed or gone."""
+        eng, rid = self.engine, offer.request_id
+        port, pulled = eng.kv_port.preempted, None
+        written = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                ok = await self.tier.write_back(offer.kv, offer.rows, offer.chain, offer.token_ids,
+                                                eng.config.block_size, offer.cache_salt, NO_RETENTION,
+                                                offer.window_mask, eng.kv_port.full_layers, eng.kv_port.block_shape,
+                                                written=written)
+            finally:
+                port.released(offer.nbytes)   # staged or dropped: the copy is not needed any more
+                offer.kv = None
+            if ok:
+                await state.wanted.wait()   # bounded by the sequence's life: ``gone`` ends it too
+                if not state.gone:
+                    async with asyncio.timeout(transfer_timeout(self.config.tier_timeout_s, offer.nbytes)):
+                        ok = await written
+                    if ok:
+                        # from block 0: what the device cache holds now may be evicted before readmission
+                        pulled = await self.tier_pull(offer.all_token_ids, offer.cache_salt, NO_RETENTION,
+                                                      whole=True)
+        except (TimeoutError, DeepinferError) as err:
+            logger.info("[%s] preempted KV not pulled back: %s", rid, err)
+        finally:
+            if self._resumes.get(rid) is state:
+                del self._resumes[rid]
+            if not state.gone:
+                try:
+                    await self.aengine.call(lambda: port.resume(rid, pulled))
+                except DeepinferError as err:   # the engine stopped: nothing to resume
+                    logger.debug("[%s] no resume: %s", rid, err)
+
+    async def tier_pull(self, prompt: list[int], cache_salt: str, retention: str, whole: bool = False) -> Pulled | None:
+        """The prompt's reusable blocks that the local prefix cache lacks (``whole``: all of them, from block 0)
+        and the tier holds, or None."""
         if self.tier is None or not self.tier.alive:
             return None
         eng = self.engine
         first, hashes = await self.aengine.call(lambda: eng.kv_port.missing_blocks(prompt, cache_salt))
+        first = 0 if whole else first
         return await self.tier.pull(first, hashes, prompt, eng.config.block_size, eng.kv_port.tier_block_shape,
                                     eng.kv_port.dtype_name, cache_salt, retention,
                                     eng.kv_port.window_layers)

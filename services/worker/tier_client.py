@@ -63,6 +63,7 @@ class TierCounters:
 class _Write:
     transport: KVTransport
     put: protocol.CachePut
+    written: asyncio.Future | None = None   # set True once the tier acknowledged the put, False when it failed
 
 
 class TierClient:
@@ -186,12 +187,14 @@ class TierClient:
     # -- write-back ---------------------------------------------------------------------------------------
     async def write_back(self, kv_cache: torch.Tensor, block_ids: Sequence[int], chain: BlockChain,
                          token_ids: Sequence[int], block_size: int, tenant: str, retention: str,
-                         window_mask: bytes = b"", full_layers: int = 0, block_shape: Sequence[int] = ()) -> bool:
+                         window_mask: bytes = b"", full_layers: int = 0, block_shape: Sequence[int] = (),
+                         written: asyncio.Future | None = None) -> bool:
         """Stage ``kv_cache[block_ids]`` (the blocks ``chain`` names, in order; with ``window_mask`` the rows of a
         packed run, ``KVPort.source``, of ``block_shape`` blocks whose blocks without window rows
         have ``full_layers`` rows) now
         (the caller holds those blocks until this returns) and queue it for the tier. False (counted) when the
-        tier is away, the queue is full or staging fails."""
+        tier is away, the queue is full or staging fails. ``written``, when given, is set once the put is sent: True
+        if the tier acknowledged it, False if it failed (left unset when this returns False)."""
         if not block_ids:
             return False
         name = self._transport() if self.alive else None
@@ -222,7 +225,7 @@ class TierClient:
                                 handle=handle, tenant=tenant,
                                 full_layers=full_layers, window_mask=window_mask)
         try:
-            self._queue.put_nowait(_Write(transport, put))
+            self._queue.put_nowait(_Write(transport, put, written))
         except asyncio.QueueFull:
             await transport.release(tid)
             self.counters.writes_dropped += 1
@@ -239,10 +242,12 @@ class TierClient:
                 protocol.decode_reply(msg.data, protocol.Ack)
                 self.counters.writes += 1
                 self.counters.blocks_written += len(job.put.block_hashes)
+                _settle(job.written, True)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - the tier misses these blocks; the worker goes on
                 self.counters.write_failures += 1
+                _settle(job.written, False)
                 logger.info("write-back to %s failed: %s", self.tier_id, err)
             finally:
                 self._sending = False
@@ -270,3 +275,8 @@ class TierClient:
                 "pull_failures": c.pull_failures, "blocks_pulled": c.blocks_pulled, "writes": c.writes,
                 "blocks_written": c.blocks_written, "writes_dropped": c.writes_dropped,
                 "write_failures": c.write_failures, "block_pull_s": c.block_pull_s, "queued": self._queue.qsize()}
+
+
+def _settle(written: asyncio.Future | None, ok: bool) -> None:
+    if written is not None and not written.done():
+        written.set_result(ok)

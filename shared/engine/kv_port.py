@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.kv_tier import TierFlow
+from shared.engine.preempted_kv import PreemptedKV
 from shared.engine.request import Request, RequestStatus
 from shared.sampling import SamplingParams
 from shared.errors import DeepinferError, ErrorCode, invalid
@@ -76,6 +77,7 @@ class KVPort(TierFlow):
         self.engine = engine
         self.held: dict[str, Request] = {}      # finished hold_kv requests whose blocks are still allocated
         self.detached: dict[str, Request] = {}  # running requests taken out of the batch to migrate
+        self.preempted = PreemptedKV(self)      # preempted sequences' KV offered to the cache tier (off by default)
 
     @property
     def _bm(self):

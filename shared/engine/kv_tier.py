@@ -56,9 +56,9 @@ class TierFlow:
         """Publish ``kv`` (blocks ``first .. first + n - 1`` of the prompt: ``[n, *block_shape]`` unpacked, or the
         packed run ``[rows, *block_shape[1:]]`` as fetched, ``shared/kv/block_pack.py``; block ``j`` carries its
         window layers' rows when ``has_window[j]``, default all) in the prefix cache, written block by block
-        without unpacking. Returns how many of them a prefix lookup now reuses (the layout's hit rule: blocks
-        without the window rows a hit needs do not count; fewer when the pool has no free room; 0 with prefix
-        caching off)."""
+        without unpacking; the run's leading blocks that the prefix cache holds already are skipped. Returns how
+        many of the others a prefix lookup now reuses (the layout's hit rule: blocks without the window rows a
+        hit needs do not count; fewer when the pool has no free room; 0 with prefix caching off)."""
         if self.carries_state:
             return self._import_tier_state(prompt_token_ids, cache_salt, first, kv, has_window)
         shape, packed = self.block_shape, kv.dim() == len(self.block_shape)
@@ -77,6 +77,10 @@ class TierFlow:
             return 0
         req = self._scratch_request(prompt_token_ids, cache_salt)
         count = max(0, min(len(has_window), self._reusable_blocks(prompt_token_ids) - first))
+        skip = min(max(0, self._bm.cached_prefix(req) - first), count)   # the run's blocks held here already
+        if skip:
+            kv = kv[block_pack.packed_rows(has_window[:skip], shape[0], self.full_layers) if packed else skip:]
+            has_window, first, count = has_window[skip:], first + skip, count - skip
         imported = self._bm.import_cached(req, first, count, has_window[:count])
         if packed:   # the run's leading ``count`` blocks: the rest of it is skipped by its own row counts
             kv_cache.scatter_packed(self._kv, imported.rows, kv, has_window[:count])

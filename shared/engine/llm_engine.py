@@ -56,6 +56,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.kv_port = KVPort(self)  # KV crossing the engine: hand-off, migration, cache tier
+        self.scheduler.preempted_kv = self.kv_port.preempted
         self.speculator = None  # shared/engine/speculator.Speculator: speculative decoding when set
         # what determines this engine's KV (shared/model/fingerprint.py): in every block hash and hand-off
         self.fingerprint = model_fingerprint(model, tokenizer, config.block_size)

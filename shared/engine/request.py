@@ -54,7 +54,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "model_fingerprint", "block_size",
                  "all_token_ids", "num_computed_tokens", "status", "finish_reason", "block_hashes", "block_digests",
                  "stats", "generator", "output_text", "detokenizer", "hold_kv", "window_pin", "spec_token_ids",
-                 "spec_features", "prompt_logprobs", "matcher", "matcher_tokens", "reimport")
+                 "spec_features", "prompt_logprobs", "matcher", "matcher_tokens", "reimport",
+                 "resume_wait_s", "resume_wanted_at")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  block_size: int, model_fingerprint: str, cache_salt: str = "") -> None:
@@ -78,6 +79,10 @@ class Request:
         self.window_pin: int | None = None  # SWA-aware KV keeps the window its prefill left (hybrid_kv.py)
         # blocks computed elsewhere (a tier pull) published again before each admission attempt (Scheduler)
         self.reimport: Callable[[], object] | None = None
+        # a preempted request whose KV was offered to the cache tier awaits it (shared/engine/preempted_kv.py):
+        # for at most resume_wait_s from resume_wanted_at (the time the scheduler wanted to admit it)
+        self.resume_wait_s = 0.0
+        self.resume_wanted_at = 0.0
         self.spec_token_ids: list[int] = []  # drafted tokens verified this step (after all_token_ids)
         self.spec_features: list = []  # their TokenFeatures (acceptance log)
         # Sampling.prompt_logprobs: entries of prompt tokens 1.. scored so far (filled by the prefill chunks)

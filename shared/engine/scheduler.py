@@ -13,6 +13,12 @@ When a running request cannot get a block, the most recently admitted running re
 blocks are freed (hashed ones stay cached), ``num_computed_tokens`` returns to 0, and it goes to the front of
 the waiting queue to be recomputed later (its output tokens are kept: recompute reproduces their KV).
 
+A victim's KV may be offered to the cache tier before its blocks are freed (``preempted_kv``, the KV port's
+``PreemptedKV``, when a worker enabled it): the victim then *awaits* it, and when it is next to be admitted
+(head of ``waiting``, a seat free) admission holds there — running requests keep stepping — until its blocks are
+pulled back (``PreemptedKV.resume`` sets its ``reimport``) or ``resume_wait_s`` has passed since it was wanted
+(then it recomputes).
+
 Policies (vLLM's): ``fcfs`` as above. ``priority``: ``waiting`` and ``running`` are kept in (``params.priority``,
 arrival) order — lower priority values first, arrival order within one — so the token budget goes to the
 highest class first and the preemption victim is the lowest-priority, latest-arrived running request; a waiting
@@ -70,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrivals = itertools.count()
         self._key: dict[str, tuple[int, int]] = {}   # request id -> (priority, arrival), while queued or running
+        self.preempted_kv = None   # PreemptedKV (offer / wanted / gone / gave_up hooks), set by the engine
 
     def key(self, request: Request) -> tuple[int, int]:
         """The request's place under the priority policy: (priority, arrival order)."""
@@ -111,11 +118,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.preempted_kv is not None:
+            self.preempted_kv.gone(request)
         if free_blocks:
             self.bm.free(request.request_id)
         self._key.pop(request.request_id, None)
 
     def _preempt(self, victim: Request) -> None:
+        if self.preempted_kv is not None:
+            self.preempted_kv.offer(victim)   # its blocks are still allocated here
         self.bm.free(victim.request_id)
         victim.spec_token_ids, victim.spec_features = [], []
         victim.num_computed_tokens = 0
@@ -168,6 +179,8 @@ class Scheduler:
                     break
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 continue
+            if req.resume_wait_s and self._awaits_kv(req):
+                break
             if req.reimport is not None:
                 req.reimport()
             # prompt logprobs need every prompt position's logits: no cached prefix
@@ -180,6 +193,8 @@ class Scheduler:
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 continue   # look the hit up again: the victims' freed blocks may have evicted part of it
             self.waiting.popleft()
+            if req.reimport is not None and self.preempted_kv is not None:
+                self.preempted_kv.admitted(req)
             req.reimport = None
             req.num_computed_tokens = num_cached
             if req.stats.first_scheduled_time is None:
@@ -193,6 +208,17 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def _awaits_kv(self, req: Request) -> bool:
+        """Whether admission holds at ``req``, a preempted request next to be admitted whose KV is coming back
+        from the cache tier (asked for now if it was not yet; given up ``resume_wait_s`` after that)."""
+        if not req.resume_wanted_at:
+            self.preempted_kv.wanted(req)
+            return True
+        if time.monotonic() - req.resume_wanted_at < req.resume_wait_s:
+            return True
+        self.preempted_kv.gave_up(req)
+        return False
 
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
         """Priority policy: preempt the lowest-priority running request if its priority is strictly lower than

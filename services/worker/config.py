@@ -33,8 +33,8 @@ class WorkerConfig(ServiceConfig):
     tier_kv_format: str = ""  # blocks to and from the tier compressed: fp8 | int8 ("" = the model's dtype)
     tier_timeout_s: float = 2.0  # a tier pull or write-back waits at most this (then: recompute / drop)
     tier_write_queue: int = 16  # write-backs staged and waiting for the tier; more are dropped (counted)
-    preempt_offer_mib: int = 256  # with a tier: preempted sequences' KV copied for it, at most this much at once
-    #                               (they resume from the tier, not by recompute); 0 = preempted sequences recompute
+    preempt_offer_mib: int = 0  # > 0, with a tier: preempted sequences' KV copied for it, at most this much at once
+    #                             (they resume from the tier, not by recompute); 0 = preempted sequences recompute
     draft: str = ""  # speculative decoding (decode workers): "" off, "local" in-process drafter, "remote" service
     drafter: str = DEFAULT_DRAFTER  # with draft=local: prompt_lookup | self:<layers> | mtp | a smaller model's path
     spec_k: int = 5  # tokens drafted per sequence and step

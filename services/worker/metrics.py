@@ -168,8 +168,9 @@ class WorkerCollector(Collector):
         if eng.kv_port.preempted.enabled:
             pc = eng.kv_port.preempted.counters
             yield counter_by(f"{P}_preempted_kv", "Preempted sequences whose KV was offered to the cache tier, by "
-                             "how they resumed (not_offered: over preempt_offer_mib)", lb, "result",
-                             [("offered", pc.offers), ("not_offered", pc.not_offered), ("resumed", pc.resumed),
+                             "how they resumed (not_offered: over preempt_offer_mib; kept: the device cache still "
+                             "held it all)", lb, "result",
+                             [("offered", pc.offers), ("not_offered", pc.not_offered), ("kept", pc.kept), ("resumed", pc.resumed),
                               ("recomputed", pc.recomputed)])
             yield counter(f"{P}_preempted_kv_resumed_blocks", "Blocks preempted sequences found again in their "
                           "prefix lookup, pulled back from the cache tier", lb, pc.resumed_blocks)

@@ -73,7 +73,8 @@ class TierMixin:
                     async with asyncio.timeout(transfer_timeout(self.config.tier_timeout_s, offer.nbytes)):
                         ok = await written
                     if ok:
-                        # from block 0: what the device cache holds now may be evicted before readmission
+                        # from block 0: the device cache lacks some, and what it holds now may be evicted
+                        # before there is room to readmit (the import skips what it still holds then)
                         pulled = await self.tier_pull(offer.all_token_ids, offer.cache_salt, NO_RETENTION,
                                                       whole=True)
         except (TimeoutError, DeepinferError) as err:

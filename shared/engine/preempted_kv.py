@@ -9,8 +9,10 @@ evict them first). With offers on (``enable``, by a worker that has a cache tier
    tier write needs; the victim then *awaits* its KV (``Request.resume_wait_s > 0``). Copies not yet staged by
    the worker are bounded by ``max_bytes``: past it (or for a state layout, prompt logprobs, no prefix cache)
    nothing is offered and the victim recomputes as before.
-2. When the awaiting victim is the next to be admitted (head of ``waiting``, a seat free), the scheduler holds
-   admission there and calls ``wanted`` once: the worker pulls the blocks the device cache lacks from the tier.
+2. When the awaiting victim is the next to be admitted (head of ``waiting``, a seat free): if its prefix lookup
+   finds every block it offered (nothing needed their room) it is admitted as any request is (``kept``); else the
+   scheduler holds admission there and ``wanted`` tells the worker, which pulls its blocks from the tier (all of
+   them: what the device holds now may be evicted before there is room; the import skips what it still holds).
 3. ``resume`` (an engine command) publishes the pulled blocks in the prefix cache, keeps them as the victim's
    ``reimport`` and ends its wait: the next step admits it with a prefix hit instead of a recompute.
 
@@ -60,6 +62,7 @@ class PreemptCounters:
     offers: int = 0            # victims whose KV was offered
     offered_blocks: int = 0
     not_offered: int = 0       # victims over the byte budget (recomputed)
+    kept: int = 0              # victims whose blocks the device cache still held all of when due (no pull)
     resumed: int = 0           # victims readmitted with blocks pulled back
     resumed_blocks: int = 0    # of their blocks, those the prefix lookup at readmission had from the pull
     recomputed: int = 0        # offered victims readmitted without them (tier miss, failed write, wait elapsed)
@@ -76,6 +79,7 @@ class PreemptedKV:
         self.counters = PreemptCounters()
         self._pending_bytes = 0
         self._imported: dict[str, int] = {}   # a resumed request's blocks from its pull, until it is admitted
+        self._offered: dict[str, int] = {}    # an awaiting request's offered blocks
         self._lock = threading.Lock()   # _pending_bytes: taken on the engine thread, released on the loop
 
     @property
@@ -121,29 +125,39 @@ class PreemptedKV:
                       list(req.all_token_ids), req.cache_salt)
         req.resume_wait_s = transfer_timeout(self.wait_s, nbytes)
         req.resume_wanted_at = 0.0
+        self._offered[req.request_id] = full
         self.counters.offers += 1
         self.counters.offered_blocks += full
         self.sink("offer", req.request_id, offer)
 
+    def offered_tokens(self, req: "Request") -> int:
+        """Tokens of the blocks the awaiting ``req`` offered."""
+        return self._offered.get(req.request_id, 0) * self.port.engine.config.block_size
+
     def wanted(self, req: "Request") -> None:
-        """Scheduler hook: the awaiting ``req`` is next to be admitted; its pull may start."""
+        """Scheduler hook: the awaiting ``req`` is next to be admitted and the device cache lacks some of its
+        blocks: its pull starts (admission holds)."""
         req.resume_wanted_at = time.monotonic()
         self.sink("wanted", req.request_id, None)
+
+    def _end_wait(self, req: "Request") -> None:
+        """``req`` awaits no more and its worker-side wait ends (``gone``) without a resume."""
+        req.resume_wait_s = 0.0
+        self._offered.pop(req.request_id, None)
+        self.sink("gone", req.request_id, None)
 
     def gone(self, req: "Request") -> None:
         """Scheduler hook: ``req`` left the queues (aborted, finished); an awaiting one is reported ``gone``."""
         self._imported.pop(req.request_id, None)
         if req.resume_wait_s:
-            req.resume_wait_s = 0.0
-            self.sink("gone", req.request_id, None)
+            self._end_wait(req)
 
     def gave_up(self, req: "Request") -> None:
         """Scheduler hook: ``req`` waited ``resume_wait_s`` since it was wanted: it is admitted to recompute."""
-        req.resume_wait_s = 0.0
         self.counters.recomputed += 1
         logger.info("[%s] its preempted KV did not come back in %.1f s: recomputing", req.request_id,
                     time.monotonic() - req.resume_wanted_at)
-        self.sink("gone", req.request_id, None)
+        self._end_wait(req)
 
     def resume(self, request_id: str, pulled) -> int:
         """Engine command: end ``request_id``'s wait with ``pulled`` (a ``Pulled`` from the tier, or None: nothing
@@ -153,6 +167,7 @@ class PreemptedKV:
         if req is None or not req.resume_wait_s:
             return 0
         req.resume_wait_s = 0.0
+        self._offered.pop(request_id, None)
         if pulled is None:
             self.counters.recomputed += 1
             return 0
@@ -167,7 +182,11 @@ class PreemptedKV:
         return reimport()
 
     def admitted(self, req: "Request") -> None:
-        """Scheduler hook: ``req`` (with a ``reimport``) is admitted; a resumed one's last import is counted."""
+        """Scheduler hook: ``req`` (with a ``reimport``, or awaiting) is admitted: a resumed one's last import is
+        counted; one still awaiting found every block it offered in the device cache (``kept``)."""
+        if req.resume_wait_s:
+            self.counters.kept += 1
+            self._end_wait(req)
         count = self._imported.pop(req.request_id, None)
         if count is not None:
             self.counters.resumed_blocks += count

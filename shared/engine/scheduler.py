@@ -179,13 +179,13 @@ class Scheduler:
                     break
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 continue
-            if req.resume_wait_s and self._awaits_kv(req):
-                break
             if req.reimport is not None:
                 req.reimport()
             # prompt logprobs need every prompt position's logits: no cached prefix
             hits, num_cached = (([], 0) if req.params.prompt_logprobs is not None
                                 else self.bm.get_computed_blocks(req))
+            if req.resume_wait_s and self._awaits_kv(req, num_cached):
+                break
             num_new = min(req.num_tokens - num_cached, budget)
             if self.bm.allocate_slots(req, num_new, hits) is None:
                 if not (self.by_priority and self._preempt_for(req, out)):
@@ -193,7 +193,7 @@ class Scheduler:
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 continue   # look the hit up again: the victims' freed blocks may have evicted part of it
             self.waiting.popleft()
-            if req.reimport is not None and self.preempted_kv is not None:
+            if (req.reimport is not None or req.resume_wait_s) and self.preempted_kv is not None:
                 self.preempted_kv.admitted(req)
             req.reimport = None
             req.num_computed_tokens = num_cached
@@ -209,15 +209,20 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _awaits_kv(self, req: Request) -> bool:
-        """Whether admission holds at ``req``, a preempted request next to be admitted whose KV is coming back
-        from the cache tier (asked for now if it was not yet; given up ``resume_wait_s`` after that)."""
+    def _awaits_kv(self, req: Request, num_cached: int) -> bool:
+        """Whether admission holds at ``req``, a preempted request next to be admitted whose KV was offered to the
+        cache tier and whose prefix lookup found ``num_cached`` tokens: not when that covers all it offered (it is
+        admitted as it is, if it fits); else while its blocks come back (asked for now if they were not yet; given
+        up ``resume_wait_s`` after that)."""
+        pk = self.preempted_kv
+        if num_cached >= pk.offered_tokens(req):
+            return False
         if not req.resume_wanted_at:
-            self.preempted_kv.wanted(req)
+            pk.wanted(req)
             return True
         if time.monotonic() - req.resume_wanted_at < req.resume_wait_s:
             return True
-        self.preempted_kv.gave_up(req)
+        pk.gave_up(req)
         return False
 
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:

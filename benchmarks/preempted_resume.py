@@ -44,8 +44,8 @@ def worker_counters(text: str) -> dict[str, float]:
 
 async def one_run(offer_mib: int, args, prompts: list[list[int]]) -> dict:
     cluster = Cluster(ClusterSpec(prefill=0, decode=1, cache_tier=1, http_port=-1, kv_cache_mb=args.kv_mb,
-                                  extra_env={"DEEPINFER_MAX_NUM_SEQS": str(args.seqs),
-                                             "DEEPINFER_PREEMPT_OFFER_MIB": str(offer_mib)}))
+                                  preempt_offer_mib=offer_mib,
+                                  extra_env={"DEEPINFER_MAX_NUM_SEQS": str(args.seqs)}))
     await cluster.start()
     try:
         nc = await connect(cluster.nats_url, "bench")

@@ -33,6 +33,7 @@ class ClusterSpec:
     swa_kv_context: int = 0  # the workers' --swa-kv-context (0 = the engine's default)
     tier_kv_format: str = ""  # the workers' --tier-kv-format ("" = blocks in the model's dtype)
     scheduling_policy: str = "priority"  # the workers' --scheduling-policy
+    preempt_offer_mib: int = 0  # the workers' --preempt-offer-mib (with a tier: preempted KV resumed from it)
     transports: str = "cuda_ipc,shm,nixl,tcp,stream"
     local_prefill_threshold: int = 64
     policy: str = "predictive"

@@ -89,6 +89,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority"],
                         help="the engines' waiting order and preemption: fcfs, or priority (a request's "
                              "`priority`, lower first, then arrival; a higher class preempts a lower one's KV)")
+    parser.add_argument("--preempt-offer-mib", type=int, default=0,
+                        help="> 0: a preempted sequence's KV is copied to the cache tier (at most this many MiB in "
+                             "flight per worker) and pulled back before it is readmitted, instead of recomputed")
     parser.add_argument("--transports", default=DEFAULT_TRANSPORTS, help="KV transports workers offer, in preference")
     parser.add_argument("--local-prefill-threshold", type=int, default=64)
     parser.add_argument("--policy", default="predictive",
@@ -121,7 +124,7 @@ def cluster_flag_values(args: argparse.Namespace) -> dict:
                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
                 reasoning_parser=args.reasoning_parser, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
                 swa_kv_context=args.swa_kv_context, tier_kv_format=args.tier_kv_format,
-                scheduling_policy=args.scheduling_policy,
+                scheduling_policy=args.scheduling_policy, preempt_offer_mib=args.preempt_offer_mib,
                 local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                 ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,
                 cache_tier_dram_mb=args.tier_dram_mb, cache_tier_reserve_dram=not args.no_tier_reserve,

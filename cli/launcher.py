@@ -162,8 +162,8 @@ class Cluster:
         engines = max(1, s.prefill + s.decode)
         threads = max(1, len(os.sched_getaffinity(0)) // engines)
         tier_id = self.service_id("cache", index % s.cache_tier) if s.cache_tier else s.tier_id
-        tier = ["--cache-tier", tier_id, *(["--tier-kv-format", s.tier_kv_format] if s.tier_kv_format else [])] \
-            if tier_id else []
+        tier = ["--cache-tier", tier_id, *(["--tier-kv-format", s.tier_kv_format] if s.tier_kv_format else []),
+                *(["--preempt-offer-mib", str(s.preempt_offer_mib)] if s.preempt_offer_mib else [])] if tier_id else []
         if (role == "decode" or s.switchable) and s.draft:
             tier += ["--draft", "local" if s.draft == "local" else "remote", "--drafter", s.drafter]
         module, user = (("services.switchable", nats_auth.SWITCHABLE) if s.switchable else (f"services.{role}", role))

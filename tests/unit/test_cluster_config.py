@@ -225,6 +225,27 @@ def test_tier_kv_format_reaches_each_worker(monkeypatch, tmp_path):
         WorkerConfig(tier_kv_format="fp4")
 
 
+def test_preempt_offer_mib_reaches_each_worker_with_a_tier(monkeypatch, tmp_path):
+    """``up --preempt-offer-mib 64``: every worker with a cache tier offers preempted KV to it; unset (0), the flag
+    is not passed and workers recompute; a negative value is refused by the worker config."""
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
+
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--preempt-offer-mib", "64", "--cache-tier-dir",
+                                                            str(tmp_path)]), print)
+    spawned = []
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, name, module, argv, *rest: spawned.append(argv))
+    Cluster(spec).spawn_worker("decode", 0)
+    at = spawned[0].index("--preempt-offer-mib")
+    assert load_config(WorkerConfig, spawned[0][at:at + 2]).preempt_offer_mib == 64
+    plain = cli_up.spec_from_args(build_parser().parse_args(["up", "--cache-tier-dir", str(tmp_path)]), print)
+    Cluster(plain).spawn_worker("decode", 0)
+    assert "--preempt-offer-mib" not in spawned[1] and WorkerConfig().preempt_offer_mib == 0
+    with pytest.raises(ValueError, match="preempt_offer_mib"):
+        WorkerConfig(preempt_offer_mib=-1)
+
+
 def test_scheduling_policy_reaches_each_worker(monkeypatch):
     """``up --scheduling-policy priority`` (and ``node``): every worker's engine schedules by priority; a bad
     value is refused by the flag and by the engine config."""

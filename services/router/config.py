@@ -72,6 +72,8 @@ class RouterConfig(ServiceConfig):
     migrate_skew_ratio: float = 2.0  # ... this many times as many) moves one to it; 0 = off
     migrate_tpot_slo_s: float = 0.0  # a decode worker stepping slower than this moves a stream to one with
     # headroom (0 = off)
+    migrate_for_urgent: bool = True  # a full decode worker where a more urgent stream waits to start moves a less
+    # urgent one to a worker with a free seat
     planner: bool = False  # the online P:D planner (services/router/policy/pd_planner.py; services/router/planner.py)
     planner_ttft_slo_s: float = 2.0
     planner_tpot_slo_s: float = 0.1

@@ -11,7 +11,7 @@ its inflight accounting moves; the client's stream goes on with gap-free ``seq``
 
 Operators (and tests) ask on ``ctl(<router>, "migrate")`` with a ``MigrateRequest`` (client request id, target
 or ""); the reply is an ``Ack`` naming the target, or the error. ``consider`` runs the policy
-(``services/router/policy/migration_policy.py``: drain, KV pressure, TPOT, skew) on every decode heartbeat, at most every
+(``services/router/policy/migration_policy.py``: drain, KV pressure, TPOT, room for the urgent, skew) on every decode heartbeat, at most every
 ``CONSIDER_EVERY_S``, and carries out its moves in the background.
 
 Invariants: one migration at a time per stream; ``max_inflight`` per router (more: ``overloaded``); the target is
@@ -58,7 +58,8 @@ class Migrator:
         """The router's migrator, its policy from ``RouterConfig``."""
         policy = MigrationConfig(kv_high=config.migrate_kv_high, kv_low=config.migrate_kv_low,
                                  cooldown_s=config.migrate_cooldown_s, skew_min=config.migrate_skew_min,
-                                 skew_ratio=config.migrate_skew_ratio, tpot_slo_s=config.migrate_tpot_slo_s)
+                                 skew_ratio=config.migrate_skew_ratio, tpot_slo_s=config.migrate_tpot_slo_s,
+                                 urgent=config.migrate_for_urgent)
         return cls(nc, relay, table, policy=policy, on_drain=config.migrate_on_drain, spawn=spawn)
 
     def consider(self, now: float | None = None) -> list[tuple[str, str, str]]:
@@ -67,17 +68,26 @@ class Migrator:
         if (self.policy is None and not self.on_drain) or now - self._considered < CONSIDER_EVERY_S:
             return []
         self._considered = now
-        cfg = self.policy or MigrationConfig(kv_high=2.0, skew_min=0)  # drain only
+        cfg = self.policy or MigrationConfig(kv_high=2.0, skew_min=0, urgent=False)  # drain only
         # placed requests (``inflight``) include the running ones the heartbeat counts: the larger of the two
         workers = [DecodeLoad(w.report.worker_id, max(w.report.num_running + w.report.num_waiting, w.inflight),
                               w.report.kv_usage,
-                              w.report.draining and self.on_drain, w.report.step_ms / 1000.0)
+                              w.report.draining and self.on_drain, w.report.step_ms / 1000.0,
+                              w.report.max_num_seqs)
                    for w in self.table.workers.values()
                    if w.report.role == "decode" and self.table.is_alive(w.report.worker_id)]
-        streams = [MovableStream(rid, s.attempt.decode_w.report.worker_id, s.prompt_len + len(s.delivered),
-                                 s.max_tokens - len(s.delivered), s.moved_at, s.attempt.migrating, s.priority)
-                   for rid, s in self.relay.live.items() if s.attempt is not None and s.attempt.decoding]
-        moves = choose_moves(cfg, now, workers, streams, self.by_source)
+        streams, urgent = [], {}
+        for rid, s in self.relay.live.items():
+            if s.attempt is None:
+                continue
+            wid = s.attempt.decode_w.report.worker_id
+            if s.attempt.decoding:
+                streams.append(MovableStream(rid, wid, s.prompt_len + len(s.delivered),
+                                             s.max_tokens - len(s.delivered), s.moved_at, s.attempt.migrating,
+                                             s.priority))
+            else:   # placed, not started: what a full worker should make room for
+                urgent[wid] = min(urgent.get(wid, s.priority), s.priority)
+        moves = choose_moves(cfg, now, workers, streams, self.by_source, urgent if cfg.urgent else None)
         for rid, target, reason in moves:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
             self.spawn(self._move(rid, target, reason))

@@ -74,3 +74,63 @@ def test_a_full_worker_moves_a_batch_stream_before_an_interactive_one():
     assert choose_moves(CFG, 0.0, workers, streams, {}) == [("batch", "d1", "kv_pressure")]
     same = [dataclasses.replace(s, priority=0) for s in streams]
     assert choose_moves(CFG, 0.0, workers, same, {}) == [("chat", "d1", "kv_pressure")]   # one class: as before
+
+
+def test_a_worker_whose_seats_are_full_makes_room_for_an_urgent_stream_placed_there():
+    """Rule 4: a chat stream placed on d0 (its seats all taken by batch and standard streams) has not started: the
+    least urgent stream there moves to a worker with a free seat; nothing moves for a waiting stream no more urgent
+    than those running, nor to a worker without a seat, nor when the rule is off."""
+    workers = [DecodeLoad("d0", 4, 0.5, seats=4), DecodeLoad("d1", 4, 0.2, seats=4), DecodeLoad("d2", 1, 0.3, seats=4)]
+    streams = [MovableStream("batch", "d0", 500, 300, priority=1_000_000),
+               MovableStream("standard", "d0", 500, 300),
+               MovableStream("other", "d2", 100, 100)]
+    chat = -1_000_000
+    assert choose_moves(CFG, 0.0, workers, streams, {}, {"d0": chat}) == [("batch", "d2", "urgent")]
+    assert choose_moves(CFG, 0.0, workers, streams, {}, {"d0": 1_000_000}) == []   # a batch waiting: no one less urgent
+    assert choose_moves(CFG, 0.0, workers, streams, {}, {"d0": 0}) == [("batch", "d2", "urgent")]
+    no_seat = [workers[0], workers[1], DecodeLoad("d2", 4, 0.3, seats=4)]
+    assert choose_moves(CFG, 0.0, no_seat, streams, {}, {"d0": chat}) == []          # nowhere with a free seat
+    room = [DecodeLoad("d0", 3, 0.5, seats=4), *workers[1:]]
+    assert choose_moves(CFG, 0.0, room, streams, {}, {"d0": chat}) == []             # a seat is free on d0
+    assert choose_moves(CFG, 0.0, workers, streams, {}) == []                        # nobody waits
+    kv_full = [DecodeLoad("d0", 2, 0.95), DecodeLoad("d2", 1, 0.3)]
+    assert choose_moves(dataclasses.replace(CFG, kv_high=2.0), 0.0, kv_full, streams, {}, {"d0": chat}) == []
+    assert choose_moves(dataclasses.replace(CFG, kv_high=0.9), 0.0, kv_full, streams, {}, {"d0": chat}) == \
+        [("batch", "d2", "kv_pressure")]   # rule 2 relieved it already: one move per source
+
+
+def test_the_router_names_streams_placed_but_not_started_as_waiting_for_room():
+    """``Migrator.consider`` (the router's side of rule 4): a stream whose attempt is placed on a decode worker and
+    not yet decoding counts as waiting there; with the rule off (``migrate_for_urgent``) nothing moves for it."""
+    import time
+
+    from services.router.migration import Migrator
+    from services.router.relay import Attempt, Relay, Stream
+    from services.router.workers import InflightAccount, WorkerTable
+    from tests.unit.test_router_state import report
+
+    now = time.monotonic()
+    table = WorkerTable(dead_after_s=30.0)
+    table.update(report("d0", num_running=2, max_num_seqs=2), now=now)
+    table.update(report("d1", max_num_seqs=2), now=now)
+    relay = Relay(None, None, table, 1.0, 2)
+
+    async def send(chunk):
+        return None
+
+    def place(rid: str, priority: int, decoding: bool) -> None:
+        w = table.workers["d0"]
+        stream = Stream(rid, send, prompt_len=100, deadline=now + 60.0, max_tokens=300, priority=priority)
+        stream.attempt = Attempt(rid, None, w, InflightAccount(None, w, 0), decoding=decoding)
+        relay.live[rid] = stream
+
+    place("batch", 1_000_000, True)
+    place("standard", 0, True)
+    place("chat", -1_000_000, False)
+    for on in (True, False):
+        spawned = []
+        migrator = Migrator(None, relay, table, policy=dataclasses.replace(CFG, urgent=on), spawn=spawned.append)
+        moves = migrator.consider(now + 1.0)
+        for coro in spawned:
+            coro.close()
+        assert moves == ([("batch", "d1", "urgent")] if on else [])

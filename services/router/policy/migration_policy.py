@@ -11,7 +11,12 @@ Rules, in order:
 3. **TPOT**: a decode worker whose step time (its streams' time per output token) exceeds ``tpot_slo_s`` moves
    one stream per evaluation, chosen as in 2, to a worker whose step time is under ``tpot_headroom`` of the SLO
    (``tpot_slo_s`` 0: rule off).
-4. **Skew**: a decode worker running at least ``skew_min`` more streams than the least loaded one and
+4. **Room for the urgent**: a decode worker that is full (its seats, ``max_num_seqs``, all taken, or its KV at
+   ``kv_high``) while a stream placed there waits to start (``urgent``: the most urgent priority of those) moves
+   one stream strictly less urgent than it (as in 2: least urgent first) to a worker with a free seat and KV below
+   ``kv_low``, so the urgent stream starts where it was placed (its prefix may be cached there) and the other
+   goes on elsewhere instead of being preempted.
+5. **Skew**: a decode worker running at least ``skew_min`` more streams than the least loaded one and
    ``skew_ratio`` times as many (a worker that joined late, placements that ended unevenly) moves one stream
    per evaluation to it, chosen as in 2.
 
@@ -36,6 +41,7 @@ class MigrationConfig:
     skew_ratio: float = 2.0  # ... and this many times as many (skew_min <= 0: rule 4 off)
     tpot_slo_s: float = 0.0  # rule 3: a worker stepping slower than this sheds streams (0 = off) ...
     tpot_headroom: float = 0.7  # ... to one stepping faster than this fraction of it
+    urgent: bool = True  # rule 4 (the caller passes ``urgent`` only when this is on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,11 @@ class DecodeLoad:
     kv_usage: float
     draining: bool = False
     step_s: float = 0.0  # recent step time: seconds per output token of its streams (0 = idle / unknown)
+    seats: int = 0       # its engine's max_num_seqs (0 = unknown: never full by seats)
+
+    @property
+    def seats_full(self) -> bool:
+        return 0 < self.seats <= self.running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +72,19 @@ class MovableStream:
 
 
 def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], streams: list[MovableStream],
-                 in_flight: dict[str, int]) -> list[tuple[str, str, str]]:
+                 in_flight: dict[str, int], urgent: dict[str, int] | None = None) -> list[tuple[str, str, str]]:
     """``(request id, target worker, reason)`` for each stream to move now (``reason``: ``drain``,
-    ``kv_pressure``, ``tpot`` or ``skew``); ``in_flight``: moves under way per source worker."""
+    ``kv_pressure``, ``tpot``, ``urgent`` or ``skew``); ``in_flight``: moves under way per source worker;
+    ``urgent``: per decode worker, the most urgent priority of the streams placed there that have not started."""
     loads = {w.worker_id: [w.running, w.kv_usage] for w in workers if not w.draining}
     steps = {w.worker_id: w.step_s for w in workers}
+    seats = {w.worker_id: w.seats for w in workers}
     busy = dict(in_flight)
     moves: list[tuple[str, str, str]] = []
 
-    def target(source: str, kv_cap: float, step_cap: float) -> str | None:
-        fits = [wid for wid, (_, kv) in loads.items() if wid != source and kv < kv_cap and steps[wid] < step_cap]
+    def target(source: str, kv_cap: float, step_cap: float, seat: bool = False) -> str | None:
+        fits = [wid for wid, (n, kv) in loads.items() if wid != source and kv < kv_cap and steps[wid] < step_cap
+                and not (seat and 0 < seats[wid] <= n)]
         if not fits:
             return None
         best = min(fits, key=lambda wid: (loads[wid][0], loads[wid][1], wid))
@@ -92,12 +106,14 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
                 busy[s.source] = busy.get(s.source, 0) + 1
     chosen = {m[0] for m in moves}
 
-    def relieve(source: str, kv_cap: float, reason: str, step_cap: float = float("inf")) -> None:
-        mine = [s for s in streams if s.source == source and s.request_id not in chosen and movable(s, False)]
+    def relieve(source: str, kv_cap: float, reason: str, step_cap: float = float("inf"),
+                less_urgent_than: int | None = None) -> None:
+        mine = [s for s in streams if s.source == source and s.request_id not in chosen and movable(s, False)
+                and (less_urgent_than is None or s.priority > less_urgent_than)]
         if not mine:
             return
         pick = max(mine, key=lambda s: (s.priority, s.tokens_left / max(1, s.context_tokens), s.request_id))
-        dest = target(source, kv_cap, step_cap)
+        dest = target(source, kv_cap, step_cap, seat=less_urgent_than is not None)
         if dest is not None:
             moves.append((pick.request_id, dest, reason))
             chosen.add(pick.request_id)
@@ -111,7 +127,12 @@ def choose_moves(cfg: MigrationConfig, now: float, workers: list[DecodeLoad], st
         for w in workers:
             if not w.draining and w.step_s > cfg.tpot_slo_s:
                 relieve(w.worker_id, cfg.kv_low, "tpot", step_cap=cfg.tpot_headroom * cfg.tpot_slo_s)
-    if cfg.skew_min > 0 and len(loads) >= 2:                    # 4. skew, one stream per source
+    for w in workers:                                           # 4. room for the urgent, one per source
+        waiting = (urgent or {}).get(w.worker_id)
+        moved_now = busy.get(w.worker_id, 0) > in_flight.get(w.worker_id, 0)   # rule 2 or 3 relieved it already
+        if waiting is not None and not w.draining and not moved_now and (w.seats_full or w.kv_usage >= cfg.kv_high):
+            relieve(w.worker_id, cfg.kv_low, "urgent", less_urgent_than=waiting)
+    if cfg.skew_min > 0 and len(loads) >= 2:                    # 5. skew, one stream per source
         for w in sorted(workers, key=lambda w: -w.running):
             if w.draining or w.worker_id not in loads:
                 continue

@@ -8,7 +8,7 @@ router migration on (skew rule, the default) and off (``--migrate-skew-min 0``).
 output tokens/s, per-stream TPOT p50/p99 and TTFT p99, the migrations made, and checks both runs streamed the
 same tokens.
 
-    python -m benchmarks.migration_skew [--streams 16] [--prompt-tokens 512] [--new-tokens 256]
+    python -m benchmarks.migration_skew [--streams 16] [--prompt-tokens 512] [--new-tokens 256] [--plot skew.png]
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import logging
 import statistics
 import time
 
+from benchmarks import plots
 from benchmarks.tier_ttft import long_prompt
-from shared import protocol
+from shared import progress, protocol
 from shared.bus import connect
 from shared.client import generate_stream
 from cli.launcher import Cluster, ClusterSpec
@@ -43,7 +44,7 @@ async def stream(nc, prompt: list[int], rid: str, new_tokens: int, first: asynci
         tokens += chunk.token_ids
         usage = chunk.usage or usage
     return {"tokens": tokens, "ttft_s": times[0] - t0, "tpot_s": (times[-1] - times[0]) / max(1, len(times) - 1),
-            "migrations": usage.get("migrations", 0)}
+            "migrations": usage.get("migrations", 0), "times": times}
 
 
 async def run(args, migrate: bool) -> dict:
@@ -65,7 +66,8 @@ async def run(args, migrate: bool) -> dict:
             await asyncio.gather(*(f.wait() for f in firsts))
             cluster.spawn_worker("decode", 1)
             await cluster.wait_healthy(["decode-1"], 180)
-            results = await asyncio.gather(*tasks)
+            joined = time.perf_counter()
+            results = await progress.gather(tasks, f"streams (migration {'on' if migrate else 'off'})")
             makespan = time.perf_counter() - t0
         finally:
             await nc.close()
@@ -76,7 +78,9 @@ async def run(args, migrate: bool) -> dict:
             "out_tok_s": round(sum(len(r["tokens"]) for r in results) / makespan, 1),
             "tpot_p50_ms": round(statistics.median(tpots) * 1000, 1), "tpot_p99_ms": round(pct(tpots, 0.99) * 1000, 1),
             "ttft_p99_s": round(pct(ttfts, 0.99), 2), "migrations": sum(r["migrations"] for r in results),
-            "tokens": [r["tokens"] for r in results]}
+            "tokens": [r["tokens"] for r in results],
+            "_token_times": [t - t0 for r in results for t in r["times"]], "_tpots": tpots,
+            "_joined_s": joined - t0}
 
 
 def main() -> None:
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--kv-cache-mb", type=int, default=1024)
+    ap.add_argument("--plot", default="", metavar="PNG",
+                    help="also draw tokens streamed over time and the TPOT CDF of both runs here (needs matplotlib)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     on, off = asyncio.run(run(args, True)), asyncio.run(run(args, False))
@@ -98,7 +104,20 @@ def main() -> None:
               f"TTFT p99 {r['ttft_p99_s']:.1f} s, {r['migrations']} migrations")
     print(f"  with / without: throughput {on['out_tok_s'] / off['out_tok_s']:.2f}x, "
           f"TPOT p99 {off['tpot_p99_ms'] / on['tpot_p99_ms']:.2f}x lower")
-    print(json.dumps([off, on]))
+    print(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in (off, on)]))
+    if args.plot:
+        plots.plot_or_exit(lambda: draw(off, on, args))
+
+
+def draw(off: dict, on: dict, args) -> None:
+    """Tokens streamed by all streams over time (decode-1's joining marked) and per-stream TPOT CDFs."""
+    plt, fig, (tokens, tpot) = plots.panels(2, f"{args.streams} streams on decode-0, decode-1 joins after their "
+                                            f"first tokens ({args.prompt_tokens}-token prompts)")
+    runs = {"migration off": off, "migration on": on}
+    plots.over_time(tokens, {k: plots.cumulative(r["_token_times"]) for k, r in runs.items()}, "tokens streamed",
+                    marks={k: [r["_joined_s"]] for k, r in runs.items()})
+    plots.cdf(tpot, {k: [t * 1e3 for t in r["_tpots"]] for k, r in runs.items()}, "TPOT per stream (ms)")
+    plots.save(plt, fig, args.plot)
 
 
 if __name__ == "__main__":

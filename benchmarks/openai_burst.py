@@ -15,6 +15,7 @@ the in-process engine's; for each launched layout, every process's user+system C
 sampling fields, ``response_format`` / ``guided_*`` as its structured-output spec), each variant a burst of its
 own on the same server, side by side (each under its own ``cache_salt``: no variant finds another's prompts
 cached).
+``--plot PNG`` draws each prompt set's TTFT and TPOT CDFs per server.
 Prompt sets: ``distinct`` (the 64 bench prompts) and ``shared-prefix`` (the same behind one 1,002-token block).
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ import time
 
 import aiohttp
 
+from benchmarks import plots
 from benchmarks.engine_throughput import load_prompt_set
+from shared import progress
 
 log = logging.getLogger("bench.burst")
 
@@ -87,7 +90,8 @@ async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: st
                                    if api_key else {}) as resp:
                 model = (await resp.json())["data"][0]["id"]
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one(session, url, model, p, max_tokens, api_key, extra) for p in prompts))
+        rows = await progress.gather((one(session, url, model, p, max_tokens, api_key, extra) for p in prompts),
+                                     f"burst {url}")
         wall = time.perf_counter() - t0
     ok = [r for r in rows if r["error"] is None]
     errors = sorted({r["error"] for r in rows if r["error"]})
@@ -116,13 +120,15 @@ def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None =
     for p in prompts:
         engine.add_request(p, params)
     first, last, counts, tokens = {}, {}, {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter() - t0
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-            counts[out.request_id] = out.num_output_tokens
-        tokens = sum(counts.values())
+    with progress.bar(len(prompts), "in-process engine", "req") as done:
+        while engine.has_unfinished():
+            for out in engine.step():
+                now = time.perf_counter() - t0
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = out.num_output_tokens
+                done.update(int(out.finished))
+            tokens = sum(counts.values())
     wall = time.perf_counter() - t0
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
     return {"ok": len(first), "errors": 0, "why": [], "wall": wall, "tok_s": tokens / wall,
@@ -195,11 +201,14 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model id (default: the first of /v1/models)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="extra request fields, e.g. 'penalties={\"presence_penalty\": 1.5}' (repeatable)")
+    ap.add_argument("--plot", default="", metavar="PNG",
+                    help="also draw each prompt set's TTFT and TPOT CDFs per server here (needs matplotlib)")
     args = ap.parse_args()
     variants = {v.partition("=")[0]: json.loads(v.partition("=")[2] or "{}") for v in args.variant} or {"": {}}
     tag = lambda label, name: f"{label} [{name}]" if name else label   # noqa: E731
     logging.basicConfig(level=logging.WARNING)
     sets = ["distinct", "shared-prefix"] if args.prompt_set == "both" else [args.prompt_set]
+    by_set: dict[str, dict[str, dict]] = {}
     for name in sets:
         prompts = load_prompt_set(name, args.limit)
         results: dict[str, dict] = {}
@@ -224,6 +233,19 @@ def main() -> None:
             if r.get("cpu"):
                 print(f"CPU during the burst ({r['wall']:.1f} s wall, {os.cpu_count()} cores), {label}: "
                       + ", ".join(f"{n} {u:.1f}+{s:.1f} s" for n, (u, s) in sorted(r["cpu"].items())))
+        by_set[name] = results
+    if args.plot:
+        plots.plot_or_exit(lambda: draw(by_set, args.plot, args.max_tokens))
+
+
+def draw(by_set: dict[str, dict[str, dict]], path: str, max_tokens: int) -> None:
+    """Per prompt set, TTFT and TPOT CDFs of every server's burst."""
+    plt, fig, axes = plots.panels(2 * len(by_set), f"64-request burst, {max_tokens} tokens each, greedy")
+    for k, (name, results) in enumerate(by_set.items()):
+        plots.cdf(axes[2 * k], {label: r["ttft"] for label, r in results.items()}, f"{name}: TTFT (s)")
+        plots.cdf(axes[2 * k + 1], {label: [t * 1e3 for t in r["tpot"]] for label, r in results.items()},
+                  f"{name}: TPOT per request (ms)")
+    plots.save(plt, fig, path)
 
 
 if __name__ == "__main__":

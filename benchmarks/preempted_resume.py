@@ -24,6 +24,7 @@ from benchmarks.engine_throughput import load_prompt_set
 from benchmarks.slo_classes import req, ttft
 from cli.launcher import Cluster, ClusterSpec
 from shared.bus import connect
+from shared import progress
 
 logger = logging.getLogger("preempted_resume")
 
@@ -60,7 +61,7 @@ async def one_run(offer_mib: int, args, prompts: list[list[int]]) -> dict:
             during.append(asyncio.create_task(ttft(nc, req(2000 + i, p, args.trickle_tokens, "interactive"))))
             await asyncio.sleep(args.every)
         loaded = await asyncio.gather(*during)
-        flooded = await asyncio.gather(*flood)
+        flooded = await progress.gather(flood, "flood")
         wall = time.perf_counter() - t0
         await nc.close()
         port = next(p for name, p in cluster.metrics_ports.items() if name.startswith("decode"))

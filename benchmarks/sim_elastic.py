@@ -20,7 +20,7 @@ and placement time per request (``time.perf_counter`` around ``place_request``, 
 views). Defaults take about 2 minutes on a 2-core machine; ``--scale-window 1000`` tiles the whole trace.
 
     python -m benchmarks.sim_elastic [--speeds 2,4] [--workers 8] [--prefill 4] [--policy kv_cost]
-        [--scale-workers 1000] [--scale-window 30] [--scale-fixed-only] [--skip-scale]
+        [--scale-workers 1000] [--scale-window 30] [--scale-fixed-only] [--skip-scale] [--plot elastic.png]
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import plots
 from cli.traces import DEFAULT_TRACE_HELP, resolve_trace
 from simulator.simulate import (MigrationConfig, PlannerConfig, TraceRequest, distinct_blocks, load_trace,
                                     simulate)
@@ -79,15 +80,17 @@ def timed(trace, args, prefill: int, **kw) -> tuple[dict, float]:
     return res, time.perf_counter() - t0
 
 
-def compare(name: str, trace: list[TraceRequest], args) -> None:
+def compare(name: str, trace: list[TraceRequest], args) -> dict[str, dict]:
+    """The table of one workload; returns each run's result by its label."""
     planner = PlannerConfig(ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo)
     both = {"migration": MigrationConfig(), "planner": planner}
     runs = [("fixed", {}), ("migrate", {"migration": MigrationConfig()}), ("planner", {"planner": planner}),
             ("migrate+planner", both)]
-    rows, notes = [], []
+    rows, notes, results = [], [], {}
     for label, kw in runs:
         res, wall = timed(trace, args, args.prefill, **kw)
         rows.append(row(f"{label} {args.prefill}:{args.workers - args.prefill}", res, wall))
+        results[f"{label} {args.prefill}:{args.workers - args.prefill}"] = res
         if "planner" in kw:
             notes.append(f"#   {label} decisions (pressures P/D): " + ", ".join(
                 (f"{d['t_s']:.0f}s {d['worker']}->{d['role']}" if d["kind"] == "switch"
@@ -102,11 +105,40 @@ def compare(name: str, trace: list[TraceRequest], args) -> None:
             best = (res, wall, p)
     res, wall, p = best
     rows.append(row(f"best fixed {p}:{args.workers - p}", res, wall))
+    results[f"best fixed {p}:{args.workers - p}"] = res
     notes.append(f"#   sweep (slo attainment): {' '.join(scores)}")
     print(f"# {name}: {len(trace)} requests, {args.workers} workers, policy {args.policy}, SLO TTFT {args.ttft_slo} s "
           f"TPOT {args.tpot_slo} s, tick {args.tick} s (sweeps {time.perf_counter() - sweep_wall:.0f} s)")
     print(table(rows))
     print("\n".join(notes) + "\n", flush=True)
+    return results
+
+
+def prefill_over_time(res: dict, prefill: int, end_s: float) -> tuple[list[float], list[int]]:
+    """The prefill workers' count through a run, from its planner's decisions (a switch moves one worker, a
+    scale ``delta``)."""
+    t, n = [0.0], [prefill]
+    for d in res.get("planner", {}).get("decisions", []):
+        step = (1 if d["role"] == "prefill" else -1) if d["kind"] == "switch" else \
+            (d["delta"] if d["role"] == "prefill" else 0)
+        t.append(d["t_s"])
+        n.append(n[-1] + step)
+    t.append(end_s)
+    n.append(n[-1])
+    return t, n
+
+
+def draw(workloads: dict[str, dict[str, dict]], args) -> None:
+    """Per workload: the TTFT CDF of every run, and the prefill workers' count over time in the planner's runs."""
+    plt, fig, axes = plots.panels(2, f"{args.workers} simulated workers, {args.profile}, policy {args.policy}",
+                                  rows=len(workloads))
+    for k, (name, results) in enumerate(workloads.items()):
+        plots.cdf(axes[2 * k], {label: r["_ttfts"] for label, r in results.items()}, f"{name}: TTFT (s)",
+                  slo=args.ttft_slo, log=True)
+        planned = {label: prefill_over_time(r, args.prefill, r["makespan_s"])
+                   for label, r in results.items() if "planner" in r}
+        plots.over_time(axes[2 * k + 1], planned, f"{name}: prefill workers (of {args.workers})", steps=True)
+    plots.save(plt, fig, args.plot)
 
 
 def tile(trace: list[TraceRequest], copies: int, window_s: float) -> list[TraceRequest]:
@@ -169,15 +201,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-kv-blocks", type=int, default=0,
                    help="KV blocks per worker in the scale run (0: as the 8-worker runs on the whole trace)")
     p.add_argument("--scale-fixed-only", action="store_true", help="time the scale run without migration + planner")
+    p.add_argument("--plot", default="", metavar="PNG",
+                   help="draw each workload's TTFT CDFs and the planner's P:D split over time here (matplotlib)")
     args = p.parse_args(argv)
     if not 0 < args.prefill < args.workers:
         p.error("need 0 < --prefill < --workers")
     path = resolve_trace(args.trace)
     t0 = time.perf_counter()
+    workloads = {}
     for speed in [float(s) for s in args.speeds.split(",") if s.strip()]:
-        compare(f"Mooncake trace at {speed:g}x", load_trace(path, speed=speed), args)
+        workloads[f"trace {speed:g}x"] = compare(f"Mooncake trace at {speed:g}x", load_trace(path, speed=speed),
+                                                 args)
     if not args.skip_shifting:
-        compare("shifting workload (chat 120 s, agent 120 s, chat 120 s)", shifting_workload(), args)
+        workloads["shifting"] = compare("shifting workload (chat 120 s, agent 120 s, chat 120 s)",
+                                        shifting_workload(), args)
+    if args.plot and workloads:
+        plots.plot_or_exit(lambda: draw(workloads, args))
     if not args.skip_scale:
         scale_run(load_trace(path), args)
     print(f"# total {time.perf_counter() - t0:.0f} s")

@@ -22,7 +22,7 @@ import time
 from benchmarks.e2e_services import pct
 from benchmarks.engine_throughput import load_prompt_set
 from cli.launcher import Cluster, ClusterSpec
-from shared import protocol
+from shared import progress, protocol
 from shared.bus import connect
 from shared.client import generate_stream
 from shared.errors import DeepinferError
@@ -69,7 +69,7 @@ async def one_run(classes: bool, args, prompts: list[list[int]]) -> dict:
             during.append(asyncio.create_task(ttft(nc, req(2000 + i, p, args.trickle_tokens, trickle_class))))
             await asyncio.sleep(args.every)
         loaded = await asyncio.gather(*during)
-        flooded = await asyncio.gather(*flood)
+        flooded = await progress.gather(flood, "flood")
         wall = time.perf_counter() - t0
         await nc.close()
     finally:

@@ -22,3 +22,14 @@ def bar(total: float | None, desc: str, unit: str = "it", **kwargs) -> tqdm:
     False: the terminal keeps no trace of it)."""
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not shown(), leave=False,
                 dynamic_ncols=True, **kwargs)
+
+
+async def gather(aws, desc: str, unit: str = "req") -> list:
+    """``asyncio.gather(*aws)`` (results in order, the first error raised) with a bar counting the ones done."""
+    import asyncio
+
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    with bar(len(tasks), desc, unit) as b:
+        for t in tasks:
+            t.add_done_callback(lambda _t: b.update(1))
+        return await asyncio.gather(*tasks)

@@ -11,11 +11,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from functools import partial
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 from shared.errors import ErrorCode
 
@@ -46,8 +48,15 @@ def new_registry(process: bool = True) -> CollectorRegistry:
 
 
 def render(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
-    """``(body, content_type)`` of a scrape: OpenMetrics when ``accept`` asks for it, else Prometheus text."""
+    """``(body, content_type)`` of a scrape: OpenMetrics when ``accept`` asks for it, else Prometheus text.
+    OpenMetrics names go as they are unless the scraper asks for an escaping: prometheus_client escapes ``:`` in
+    sample names by default (``vllm:num_requests_running`` samples came out as ``vllm_num_requests_running`` under
+    a ``vllm:`` TYPE line, and Prometheus, which asks for OpenMetrics first, stored no ``vllm:`` series); every name
+    here is a classic Prometheus name, colons included (``benchmarks/dashboard_snapshot.py`` found it)."""
     encoder, content_type = choose_encoder(accept)
+    if content_type.startswith("application/openmetrics-text") and "escaping=" not in accept:
+        encoder = partial(openmetrics_exposition.generate_latest, escaping=openmetrics_exposition.ALLOWUTF8)
+        content_type = openmetrics_exposition.CONTENT_TYPE_LATEST
     return encoder(registry), content_type
 
 

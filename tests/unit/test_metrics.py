@@ -241,3 +241,25 @@ async def test_server_serves_scrapes_fails_visibly_and_never_takes_the_service_d
     finally:
         await server.stop()
         await server.stop()                                      # idempotent
+
+
+def test_openmetrics_scrapes_keep_vllm_names_as_they_are():
+    """Prometheus asks for OpenMetrics first: ``vllm:*`` samples must keep their colon there (prometheus_client's
+    default escaping wrote ``vllm_*`` under a ``vllm:`` TYPE line, and Prometheus stored no ``vllm:`` series);
+    a scraper that names an escaping gets it; plain text is unchanged."""
+    from prometheus_client import CollectorRegistry, Gauge
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    from shared.metrics.common import render
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "Requests running", ["worker"], registry=registry).labels("d0").set(3)
+    prometheus = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                  "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")   # what Prometheus 2.x sends
+    body, content_type = render(registry, prometheus)
+    assert content_type.startswith("application/openmetrics-text")
+    samples = [(s.name, s.value) for f in parse_openmetrics(body.decode()) for s in f.samples]
+    assert samples == [("vllm:num_requests_running", 3.0)]
+    escaped, _ = render(registry, "application/openmetrics-text;version=1.0.0;escaping=underscores")
+    assert b"\nvllm_num_requests_running{" in escaped
+    text, text_type = render(registry, "")
+    assert text_type.startswith("text/plain") and b'\nvllm:num_requests_running{worker="d0"} 3.0' in text

@@ -3,8 +3,8 @@ package) scrapes a ``deepinfer`` cluster that serves a mixed load, then every pa
 ``compose/k8s/base/monitoring/deepinfer-dashboard.json`` is drawn by matplotlib from Prometheus's own answers to
 the panel's queries (``/api/v1/query_range``: PromQL evaluated by Prometheus, not by us).
 
-The cluster: router (HTTP), one prefill, one decode worker and a cache tier (SmolLM2-135M, one engine thread each),
-every service's ``/metrics`` scraped every 2 s. The load, over ``--seconds``: chat requests of the bench prompts in
+The cluster: router (HTTP, the P:D planner on), one prefill and one decode worker (switchable) and a cache tier
+(SmolLM2-135M, one engine thread each), every service's ``/metrics`` scraped every 2 s. The load, over ``--seconds``: chat requests of the bench prompts in
 the ``interactive``, ``standard`` and ``batch`` classes, a third of them repeats (prefix hits), remote and local
 prefill (one decode worker: nothing migrates, so those panels stay empty). Prints each panel with the number of
 series it drew (a panel with none names the queries that returned nothing).
@@ -128,7 +128,7 @@ async def main_async(args) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
     cluster = Cluster(ClusterSpec(prefill=1, decode=1, cache_tier=1, metrics=True, http_port=0,
-                                  local_prefill_threshold=0))
+                                  local_prefill_threshold=0, switchable=True, planner=True))
     await cluster.start()
     work = Path(tempfile.mkdtemp(prefix="deepinfer-prom-"))
     prom = None

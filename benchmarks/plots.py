@@ -57,7 +57,7 @@ def over_time(ax, series: dict[str, tuple[Sequence[float], Sequence[float]]], yl
 
 
 def save(plt, fig, path: str) -> None:
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))   # room for the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
     logger.warning("wrote %s", path)

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench venv clean compose-check
 
 venv: $(STAMP)
 
@@ -45,6 +45,9 @@ bench: venv
 	$(PY) -m benchmarks.migration_pause
 	$(PY) -m benchmarks.migration_skew
 	$(PY) -m benchmarks.planner_shift
+
+compose-check: venv  # docker compose up for real under Debian's podman, as root, no registry (not in CI)
+	./scripts/compose_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,32 +14,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import random
 import statistics
-import time
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.e2e_services import pct
 from benchmarks.engine_throughput import load_prompt_set
-from benchmarks.slo_classes import req, ttft
+from benchmarks.slo_classes import add_load_flags, flood_with_trickle
 from cli.launcher import Cluster, ClusterSpec
 from shared.bus import connect
-from shared import progress
 
 logger = logging.getLogger("preempted_resume")
 
 
 def worker_counters(text: str) -> dict[str, float]:
     """The decode worker's preemption figures from its ``/metrics`` text."""
+    names = {"deepinfer_worker_preemptions_total": "preemptions",
+             "deepinfer_worker_preempted_kv_resumed_blocks_total": "resumed_blocks"}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("deepinfer_worker_preemptions_total"):
-            out["preemptions"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("deepinfer_worker_preempted_kv_total{"):
-            result = line.split('result="', 1)[1].split('"', 1)[0]
-            out[result] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("deepinfer_worker_preempted_kv_resumed_blocks_total"):
-            out["resumed_blocks"] = float(line.rsplit(" ", 1)[1])
+    for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+        if sample.name == "deepinfer_worker_preempted_kv_total":
+            out[sample.labels["result"]] = sample.value
+        elif sample.name in names:
+            out[names[sample.name]] = sample.value
     return out
 
 
@@ -51,18 +49,9 @@ async def one_run(offer_mib: int, args, prompts: list[list[int]]) -> dict:
     try:
         nc = await connect(cluster.nats_url, "bench")
         trickle = [prompts[-1 - i] for i in range(args.trickle)]
-        rng = random.Random(7)
-        t0 = time.perf_counter()
-        flood = [asyncio.create_task(ttft(nc, req(i, prompts[i % len(prompts)], rng.randint(
-            args.flood_tokens // 2, args.flood_tokens * 3 // 2), "batch"))) for i in range(args.flood)]
-        await asyncio.sleep(2.0)
-        during = []
-        for i, p in enumerate(trickle):
-            during.append(asyncio.create_task(ttft(nc, req(2000 + i, p, args.trickle_tokens, "interactive"))))
-            await asyncio.sleep(args.every)
-        loaded = await asyncio.gather(*during)
-        flooded = await progress.gather(flood, "flood")
-        wall = time.perf_counter() - t0
+        loaded, flooded, wall = await flood_with_trickle(
+            nc, prompts, trickle, args, (args.flood_tokens // 2, args.flood_tokens * 3 // 2), "batch",
+            "interactive", settle_s=2.0)
         await nc.close()
         port = next(p for name, p in cluster.metrics_ports.items() if name.startswith("decode"))
         url = f"http://127.0.0.1:{port}/metrics"
@@ -108,11 +97,7 @@ async def main_async(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flood", type=int, default=32)
-    ap.add_argument("--flood-tokens", type=int, default=96)
-    ap.add_argument("--trickle", type=int, default=8)
-    ap.add_argument("--trickle-tokens", type=int, default=8)
-    ap.add_argument("--every", type=float, default=1.0, help="seconds between trickle requests during the flood")
+    add_load_flags(ap, flood=32, flood_tokens=96)
     ap.add_argument("--seqs", type=int, default=16, help="the decode worker's max_num_seqs")
     ap.add_argument("--kv-mb", type=int, default=96, help="the decode worker's KV pool (small: preemptions)")
     ap.add_argument("--context", type=int, default=0,

@@ -49,6 +49,34 @@ def req(i: int, prompt: list[int], max_tokens: int, slo_class: str) -> protocol.
                                     timeout_s=600.0)
 
 
+async def flood_with_trickle(nc, prompts: list[list[int]], trickle: list[list[int]], args, lengths: tuple[int, int],
+                             flood_class: str, trickle_class: str, settle_s: float):
+    """``args.flood`` requests of ``prompts`` at once (output lengths uniform in ``lengths``, seeded) and, ``settle_s``
+    later, ``trickle`` one every ``args.every`` s (``args.trickle_tokens`` each). Returns ``(trickle results, flood
+    results, seconds from the flood's start to its end)``, each result ``ttft``'s."""
+    rng = random.Random(7)
+    t0 = time.perf_counter()
+    flood = [asyncio.create_task(ttft(nc, req(i, prompts[i % len(prompts)], rng.randint(*lengths), flood_class)))
+             for i in range(args.flood)]
+    await asyncio.sleep(settle_s)
+    during = []
+    for i, p in enumerate(trickle):
+        during.append(asyncio.create_task(ttft(nc, req(2000 + i, p, args.trickle_tokens, trickle_class))))
+        await asyncio.sleep(args.every)
+    loaded = await asyncio.gather(*during)
+    flooded = await progress.gather(flood, "flood")
+    return loaded, flooded, time.perf_counter() - t0
+
+
+def add_load_flags(ap: argparse.ArgumentParser, flood: int, flood_tokens: int) -> None:
+    """The flood and trickle flags both load benchmarks take."""
+    ap.add_argument("--flood", type=int, default=flood)
+    ap.add_argument("--flood-tokens", type=int, default=flood_tokens)
+    ap.add_argument("--trickle", type=int, default=8)
+    ap.add_argument("--trickle-tokens", type=int, default=8)
+    ap.add_argument("--every", type=float, default=1.0, help="seconds between trickle requests during the flood")
+
+
 async def one_run(classes: bool, args, prompts: list[list[int]]) -> dict:
     flood_class, trickle_class = ("batch", "interactive") if classes else ("", "")
     cluster = Cluster(ClusterSpec(prefill=0, decode=1, cache_tier=0, metrics=False, http_port=-1,
@@ -59,18 +87,9 @@ async def one_run(classes: bool, args, prompts: list[list[int]]) -> dict:
         trickle = [prompts[-1 - i][:64] for i in range(args.trickle)]
         idle = [(await ttft(nc, req(1000 + i, p, args.trickle_tokens, trickle_class)))[0]
                 for i, p in enumerate(trickle)]
-        rng = random.Random(7)
-        t0 = time.perf_counter()
-        flood = [asyncio.create_task(ttft(nc, req(i, prompts[i % len(prompts)], rng.randint(
-            args.flood_tokens // 4, args.flood_tokens * 7 // 4), flood_class))) for i in range(args.flood)]
-        await asyncio.sleep(1.0)
-        during = []
-        for i, p in enumerate(trickle):
-            during.append(asyncio.create_task(ttft(nc, req(2000 + i, p, args.trickle_tokens, trickle_class))))
-            await asyncio.sleep(args.every)
-        loaded = await asyncio.gather(*during)
-        flooded = await progress.gather(flood, "flood")
-        wall = time.perf_counter() - t0
+        loaded, flooded, wall = await flood_with_trickle(
+            nc, prompts, trickle, args, (args.flood_tokens // 4, args.flood_tokens * 7 // 4), flood_class,
+            trickle_class, settle_s=1.0)
         await nc.close()
     finally:
         await asyncio.to_thread(cluster.stop)
@@ -100,11 +119,7 @@ async def main_async(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flood", type=int, default=64)
-    ap.add_argument("--flood-tokens", type=int, default=64)
-    ap.add_argument("--trickle", type=int, default=8)
-    ap.add_argument("--trickle-tokens", type=int, default=8)
-    ap.add_argument("--every", type=float, default=1.0, help="seconds between trickle requests during the flood")
+    add_load_flags(ap, flood=64, flood_tokens=64)
     ap.add_argument("--seqs", type=int, default=16, help="the decode worker's max_num_seqs (the gate's window)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -60,7 +60,7 @@ class TierMixin:
         written = asyncio.get_running_loop().create_future()
         try:
             try:
-                ok = await self.tier.write_back(offer.kv, offer.rows, offer.chain, offer.token_ids,
+                ok = await self.tier.write_back(offer.kv, range(len(offer.kv)), offer.chain, offer.token_ids,
                                                 eng.config.block_size, offer.cache_salt, NO_RETENTION,
                                                 offer.window_mask, eng.kv_port.full_layers, eng.kv_port.block_shape,
                                                 written=written)

@@ -50,7 +50,6 @@ class Offer:
     chain: BlockChain          # the offered blocks 0 .. n-1
     token_ids: list[int]       # their tokens, block_size per block
     kv: torch.Tensor           # [n, *block_shape] copy, or a packed run (KV groups)
-    rows: list[int]            # rows of ``kv`` to stage: range(len(kv))
     window_mask: bytes         # b"" for whole blocks
     nbytes: int
     all_token_ids: list[int]   # the victim's tokens at preemption (its resume's lookup)
@@ -121,7 +120,7 @@ class PreemptedKV:
         cache, rows, mask = port.source(req.request_id, ids)
         kv = cache[rows] if port.stages_in_place else cache   # [full, *block_shape]: a copy, the blocks go now
         offer = Offer(req.request_id, BlockChain.of(port.engine.fingerprint, req.block_digests[:full]),
-                      req.all_token_ids[:full * bs], kv, list(range(len(kv))), mask, nbytes,
+                      req.all_token_ids[:full * bs], kv, mask, nbytes,
                       list(req.all_token_ids), req.cache_salt)
         req.resume_wait_s = transfer_timeout(self.wait_s, nbytes)
         req.resume_wanted_at = 0.0

@@ -38,7 +38,7 @@ class Worker:
 
     def __init__(self, eng: LLMEngine, answer: bool = True) -> None:
         self.eng, self.answer = eng, answer
-        self.offers, self.events = {}, []
+        self.offers, self.events, self.resumed = {}, [], set()
 
     def sink(self, kind: str, rid: str, payload) -> None:
         self.events.append((kind, rid))
@@ -48,8 +48,8 @@ class Worker:
     def serve(self) -> None:
         """Between steps (as the worker's engine commands run): resume every wanted victim."""
         for kind, rid in list(self.events):
-            if kind == "wanted" and self.answer and (kind, rid) not in getattr(self, "_done", set()):
-                self._done = getattr(self, "_done", set()) | {(kind, rid)}
+            if kind == "wanted" and self.answer and rid not in self.resumed:
+                self.resumed.add(rid)
                 offer = self.offers[rid]
                 self.eng.kv_port.preempted.released(offer.nbytes)
                 mask = block_pack.decode_mask(offer.window_mask, len(offer.chain.keys)) if offer.window_mask else None

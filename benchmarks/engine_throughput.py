@@ -53,7 +53,7 @@ def run_deepinfer(config, weights, tokenizer, prompts, new_tokens, engine_cfg, p
     from benchmarks import engine_profile
     from shared.model.llama import LlamaModel
 
-    model = LlamaModel(config, weights, torch.float32, torch.device("cpu"))
+    model = LlamaModel(config, weights, getattr(torch, engine_cfg.dtype), torch.device("cpu"))
     engine = LLMEngine(model, engine_cfg, tokenizer)
     # exactly new_tokens, EOS never sampled: what HF's min_new_tokens does below (ignore_eos alone would let EOS
     # be sampled and carry on after it, a different sequence wherever EOS is the argmax)
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--max-batched-tokens", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompt-set", default="distinct", choices=["distinct", "shared-prefix"])
     ap.add_argument("--breakdown", action="store_true", help="wall time by category (benchmarks/engine_profile.py)")
     ap.add_argument("--expect-ids", type=Path, default=None,
@@ -125,7 +126,7 @@ def main() -> None:
     retokenized = sum(tokenizer.encode(p["text"]) != p["token_ids"] for p in data["prompts"][:args.limit])
     log.info("%d prompts, %d prompt tokens (%d tokenize differently with our tokenizer), %d threads",
              len(prompts), sum(map(len, prompts)), retokenized, threads)
-    engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype="float32", device="cpu",
+    engine_cfg = EngineConfig(max_num_batched_tokens=args.max_batched_tokens, dtype=args.dtype, device="cpu",
                               block_size=args.block_size)
     ours, wall, hits = run_deepinfer(config, weights, tokenizer, prompts, args.new_tokens, engine_cfg,
                                      args.profile, args.breakdown)
@@ -133,7 +134,7 @@ def main() -> None:
     ours_tps = n_out / wall
     print(f"deepinfer engine : {n_out} tokens in {wall:7.1f} s = {ours_tps:6.1f} tok/s "
           f"(prefix-cache hit tokens {hits}; {args.prompt_set}, block {args.block_size}, "
-          f"batched tokens {args.max_batched_tokens})")
+          f"batched tokens {args.max_batched_tokens}, {args.dtype})")
     if args.expect_ids is not None:
         theirs = json.loads(args.expect_ids.read_text())
         same = sum(a == b for a, b in zip(ours, theirs))

@@ -5,7 +5,7 @@ Two steps, two interpreters:
     .venv/bin/python -m benchmarks.vllm_compare prepare --out /tmp/vllm-cmp      # HF folder + both prompt sets
     /tmp/vllm-venv/bin/python benchmarks/vllm_compare.py run --out /tmp/vllm-cmp --set distinct   # in vLLM's venv
     .venv/bin/python -m benchmarks.engine_throughput --skip-hf --prompt-set shared-prefix \\
-        --expect-ids /tmp/vllm-cmp/vllm-shared-prefix.json                        # ours, with greedy agreement
+        --expect-ids /tmp/vllm-cmp/vllm-shared-prefix-float32.json                        # ours, with greedy agreement
 
 ``prepare`` writes the default model as an HF folder (vLLM cannot read the GGUF), ``distinct.json`` (the 64
 prompts' token ids) and ``shared-prefix.json`` (the same prompts behind one ``SYSTEM_TOKENS``-token system
@@ -56,7 +56,7 @@ def prepare(out: Path) -> None:
     print(f"prepared {hf} and the prompt sets in {out}")
 
 
-def run(out: Path, name: str, new_tokens: int) -> None:
+def run(out: Path, names: list[str], new_tokens: int, dtype: str) -> None:
     threads = len(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
@@ -66,33 +66,38 @@ def run(out: Path, name: str, new_tokens: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = json.loads((out / f"{name}.json").read_text())
     t_start = time.perf_counter()
-    llm = LLM(model=str(out / "hf"), dtype="float32", enable_prefix_caching=True, max_model_len=2048)
+    llm = LLM(model=str(out / "hf"), dtype=dtype, enable_prefix_caching=True, max_model_len=2048)
     startup = time.perf_counter() - t_start
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    wall = time.perf_counter() - t0
-    ids = [list(r.outputs[0].token_ids) for r in results]
-    n_out = sum(map(len, ids))
-    cached = sum(r.num_cached_tokens or 0 for r in results)
-    (out / f"vllm-{name}.json").write_text(json.dumps(ids))
-    print(f"vLLM {name}: {n_out} tokens in {wall:.1f} s = {n_out / wall:.1f} out tok/s (start-up {startup:.0f} s, "
-          f"prompt tokens from cache {cached})", flush=True)
+    for name in names:  # one engine for every set; each set's prefixes are its own (none is shared between them)
+        prompts = json.loads((out / f"{name}.json").read_text())
+        t0 = time.perf_counter()
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        wall = time.perf_counter() - t0
+        ids = [list(r.outputs[0].token_ids) for r in results]
+        n_out = sum(map(len, ids))
+        cached = sum(r.num_cached_tokens or 0 for r in results)
+        (out / f"vllm-{name}-{dtype}.json").write_text(json.dumps(ids))
+        print(f"vLLM {name} {dtype}: {n_out} tokens in {wall:.1f} s = {n_out / wall:.1f} out tok/s "
+              f"(start-up {startup:.0f} s, prompt tokens from cache {cached})", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("step", choices=["prepare", "run"])
     ap.add_argument("--out", type=Path, default=Path("/tmp/vllm-cmp"))
-    ap.add_argument("--set", default="distinct", choices=["distinct", "shared-prefix"])
+    ap.add_argument("--set", default="distinct", help="distinct, shared-prefix, or both comma-separated")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.step == "prepare":
         prepare(args.out)
     else:
-        run(args.out, args.set, args.new_tokens)
+        names = args.set.split(",")
+        if not set(names) <= {"distinct", "shared-prefix"}:
+            ap.error(f"unknown prompt set in {args.set!r}")
+        run(args.out, names, args.new_tokens, args.dtype)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Sequences behind one system prompt hold the same physical blocks for it (prefix 
 row reads those blocks once per sequence in matrix-vector products. Instead, each group's queries attend the
 shared prefix in one flash-attention call (matrix-matrix products, every key read once for the whole group),
 then the paged kernel attends each row's own tail and merges both parts by log-sum-exp. Same softmax, another
-summation order: results equal the plain kernel's to rounding (float64 runs stay token-exact).
+summation order: results equal the plain kernel's to rounding (float64 runs stay token-exact). In bfloat16 the
+prefix part's output and log-sum-exp are kept in float32 (the flash kernel's output rounded to bfloat16 once, as
+its own result), and the merge rounds to bfloat16 once.
 
 Invariants of a ``DecodeCascade`` (``find_shared_prefixes`` guarantees them):
   * every row of a group holds the group's ``blocks`` as the first entries of its block table (identical
@@ -46,8 +48,8 @@ class DecodeCascade:
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Cascade needs the CPU flash kernel and the C++ decode kernel (float32 or float64 on CPU)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.float64) and _FLASH_CPU is not None
+    """Cascade needs the CPU flash kernel and the C++ decode kernel (float32, float64 or bfloat16 on CPU)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16) and _FLASH_CPU is not None
             and cpu_paged_attention.load() is not None)
 
 
@@ -92,14 +94,15 @@ def cascade_decode_attention(query: torch.Tensor,  # [B, H, D]
     """Decode attention (kernels/paged_attention.py's contract, no sliding window) with shared prefixes
     attended once per group."""
     B, H, _ = query.shape
-    prefix_out = torch.zeros_like(query)  # [B, H, D]: attention over each row's shared prefix
-    prefix_lse = query.new_zeros(B, H)  # [B, H]: its log-sum-exp
+    acc = torch.float32 if query.dtype == torch.bfloat16 else query.dtype  # the decode kernel's accumulator
+    prefix_out = query.new_zeros(query.shape, dtype=acc)  # [B, H, D]: attention over each row's shared prefix
+    prefix_lse = query.new_zeros(B, H, dtype=acc)  # [B, H]: its log-sum-exp
     for group in cascade.groups:
         q = query.index_select(0, group.rows).transpose(0, 1)[None]  # [1, H, n, D]
         k = k_cache.index_select(0, group.blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, kvh, P, D]
         v = v_cache.index_select(0, group.blocks).flatten(0, 1).transpose(0, 1)[None]
         out, lse = _FLASH_CPU(q, k, v, scale=scale)  # [1, H, n, D], [1, H, n]
-        prefix_out.index_copy_(0, group.rows, out[0].transpose(0, 1))
-        prefix_lse.index_copy_(0, group.rows, lse[0].transpose(0, 1).to(query.dtype))
+        prefix_out.index_copy_(0, group.rows, out[0].transpose(0, 1).to(acc))
+        prefix_lse.index_copy_(0, group.rows, lse[0].transpose(0, 1).to(acc))
     return cpu_paged_attention.paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens,
                                                           scale, None, cascade.starts, prefix_out, prefix_lse)

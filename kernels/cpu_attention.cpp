@@ -49,7 +49,7 @@ template <typename T, typename A, int DC>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens, T* out,
                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
                           int64_t s0, int64_t s1, int64_t s2, A scale, int64_t window,
-                          const int32_t* starts, const T* prefix_out, const T* prefix_lse) {
+                          const int32_t* starts, const A* prefix_out, const A* prefix_lse) {
   const int64_t G = H / KVH;
   if (DC > 0) D = DC;  // compile-time head dim: lets the compiler fully vectorise the dot products
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -147,7 +147,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* b
 
 // starts [B] int32 (empty: none): row b attends positions [starts[b], ctx) and merges the result with
 // prefix_out [B,H,D] / prefix_lse [B,H] (attention over positions [0, starts[b]) and its log-sum-exp), rows
-// with starts[b] == 0 ignore them. Requires starts[b] < ctx and no sliding window on cascade rows.
+// with starts[b] == 0 ignore them. Requires starts[b] < ctx and no sliding window on cascade rows. prefix_out and
+// prefix_lse are in the accumulator's dtype (float32 for bfloat16 q), so the merge rounds to q's dtype once.
 // key/value [T,KVH,D] into k_cache/v_cache [NB,BS,KVH,D] (strided views, rows contiguous) at slots [T] int64
 // (slot = block * BS + offset; -1: padding, skipped). Same dtype on both sides.
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -193,8 +194,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const bool cascade = starts.numel() > 0;
   if (cascade) {
     TORCH_CHECK(starts.numel() == B && prefix_out.sizes() == q.sizes() && prefix_lse.numel() == B * H &&
-                prefix_out.scalar_type() == q.scalar_type() && prefix_lse.scalar_type() == q.scalar_type(),
-                "starts [B], prefix_out [B,H,D], prefix_lse [B,H] in q's dtype");
+                prefix_out.scalar_type() == prefix_lse.scalar_type() &&
+                prefix_out.scalar_type() == (q.scalar_type() == torch::kBFloat16 ? torch::kFloat : q.scalar_type()),
+                "starts [B], prefix_out [B,H,D], prefix_lse [B,H] in the accumulator dtype (q's; float32 for bfloat16)");
     TORCH_CHECK(window == 0, "cascade rows take no sliding window");
     starts = starts.to(torch::kInt32).contiguous();
     for (int64_t b = 0; b < B; ++b)
@@ -207,8 +209,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #define DEEPINFER_CALL(T, A, DC) decode_kernel<T, A, DC>(q.data_ptr<T>(), k_cache.data_ptr<T>(), \
       v_cache.data_ptr<T>(), bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(), B, H, KVH, D, BS, \
       bt.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), A(scale), window, \
-      cascade ? starts.data_ptr<int32_t>() : nullptr, cascade ? prefix_out.data_ptr<T>() : nullptr, \
-      cascade ? prefix_lse.data_ptr<T>() : nullptr)
+      cascade ? starts.data_ptr<int32_t>() : nullptr, cascade ? prefix_out.data_ptr<A>() : nullptr, \
+      cascade ? prefix_lse.data_ptr<A>() : nullptr)
   if (q.scalar_type() == torch::kDouble) {
     DEEPINFER_CALL(double, double, 0);
   } else if (q.scalar_type() == torch::kBFloat16) {

@@ -3,6 +3,10 @@
 // kernels/cpu_paged_attention.py); the torch references and the dispatch live in kernels/layer_ops.py.
 // Each op reads its input once and writes its output once (torch runs 2-5 passes with temporaries each).
 // Rows: the leading dimension, split over the engine's OpenMP threads; every row's last dimension is contiguous.
+//
+// Storage S and arithmetic A: float32 and float64 compute in their own type; bfloat16 loads widen to float and
+// every intermediate the torch reference rounds to bfloat16 is rounded here too (rnd<S>: the identity for float
+// and double), so a bfloat16 result equals torch's bfloat16 ops but for the norm's summation order and SiLU's exp.
 
 // exp(-a) for a >= 0: exp_nonpositive from cpu_attention.cpp (the two sources compile as one unit, that one
 // first) for float, libm for float64.
@@ -11,40 +15,44 @@ static inline double layer_exp_neg(double a) { return std::exp(-a); }
 
 static inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, row_elems)); }
 
-template <typename T>
-static void rms_rows(const T* x, int64_t xs, T* __restrict out, int64_t os, const T* __restrict w, int64_t N, T eps,
+// v rounded to the storage type and widened back: what torch does between two ops of a half-precision tensor.
+template <typename S, typename A>
+static inline A rnd(A v) { return static_cast<A>(static_cast<S>(v)); }
+
+template <typename S, typename A>
+static void rms_rows(const S* x, int64_t xs, S* __restrict out, int64_t os, const S* __restrict w, int64_t N, A eps,
                      int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
-    const T* __restrict xr = x + t * xs;
-    T ss = 0;
-    for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
-    const T inv = T(1) / std::sqrt(ss / T(N) + eps);
-    T* __restrict o = out + t * os;
-    for (int64_t i = 0; i < N; ++i) o[i] = (xr[i] * inv) * w[i];
+    const S* __restrict xr = x + t * xs;
+    A ss = 0;
+    for (int64_t i = 0; i < N; ++i) { const A v = static_cast<A>(xr[i]); ss += v * v; }
+    const A inv = A(1) / std::sqrt(ss / A(N) + eps);
+    S* __restrict o = out + t * os;
+    for (int64_t i = 0; i < N; ++i) o[i] = static_cast<S>(rnd<S>(static_cast<A>(xr[i]) * inv) * static_cast<A>(w[i]));
   }
 }
 
-template <typename T>
-static void add_rows(T* __restrict h, const T* __restrict d, int64_t ds, int64_t N, int64_t begin, int64_t end) {
+template <typename S, typename A>
+static void add_rows(S* __restrict h, const S* __restrict d, int64_t ds, int64_t N, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
-    T* __restrict hr = h + t * N;
-    const T* __restrict dr = d + t * ds;
-    for (int64_t i = 0; i < N; ++i) hr[i] += dr[i];
+    S* __restrict hr = h + t * N;
+    const S* __restrict dr = d + t * ds;
+    for (int64_t i = 0; i < N; ++i) hr[i] = static_cast<S>(static_cast<A>(hr[i]) + static_cast<A>(dr[i]));
   }
 }
 
 // silu(g)·u per element: silu(g) = g / (1 + exp(-g)), taken as (g < 0 ? g·e : g) / (1 + e) with e = exp(-|g|),
 // so the exponential never overflows.
-template <typename T>
-static void silu_mul_rows(const T* gu, int64_t rs, T* __restrict out, int64_t F, int64_t begin, int64_t end) {
+template <typename S, typename A>
+static void silu_mul_rows(const S* gu, int64_t rs, S* __restrict out, int64_t F, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
-    const T* __restrict g = gu + t * rs;
-    const T* __restrict u = g + F;
-    T* __restrict o = out + t * F;
+    const S* __restrict g = gu + t * rs;
+    const S* __restrict u = g + F;
+    S* __restrict o = out + t * F;
     for (int64_t i = 0; i < F; ++i) {
-      const T x = g[i];
-      const T e = layer_exp_neg(std::fabs(x));
-      o[i] = ((x < 0 ? x * e : x) / (T(1) + e)) * u[i];
+      const A x = static_cast<A>(g[i]);
+      const A e = layer_exp_neg(std::fabs(x));
+      o[i] = static_cast<S>(rnd<S>((x < 0 ? x * e : x) / (A(1) + e)) * static_cast<A>(u[i]));
     }
   }
 }
@@ -55,8 +63,9 @@ static inline bool on_cpu(std::initializer_list<const torch::Tensor*> ts) {
 }
 
 #define DEEPINFER_FLOATING(x, ...) \
-  if ((x).scalar_type() == torch::kDouble) { using T = double; __VA_ARGS__; } \
-  else { TORCH_CHECK((x).scalar_type() == torch::kFloat, "float32 or float64"); using T = float; __VA_ARGS__; }
+  if ((x).scalar_type() == torch::kDouble) { using S = double; using A = double; __VA_ARGS__; } \
+  else if ((x).scalar_type() == torch::kBFloat16) { using S = at::BFloat16; using A = float; __VA_ARGS__; } \
+  else { TORCH_CHECK((x).scalar_type() == torch::kFloat, "float32, float64 or bfloat16"); using S = float; using A = float; __VA_ARGS__; }
 
 // x [T, N] (rows contiguous), w [N] → x / sqrt(mean(x²) + eps) * w, [T, N] contiguous.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -65,7 +74,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t N = x.size(1);
   DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(N), [&](int64_t b, int64_t e) {
-    rms_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), N, w.data_ptr<T>(), N, T(eps), b, e);
+    rms_rows<S, A>(x.data_ptr<S>(), x.stride(0), out.data_ptr<S>(), N, w.data_ptr<S>(), N, A(eps), b, e);
   }));
   return out;
 }
@@ -85,8 +94,8 @@ torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor delta, torch::Tensor 
   const int64_t N = h.size(1);
   const int64_t ds = delta.stride(0);
   DEEPINFER_FLOATING(h, at::parallel_for(0, h.size(0), row_grain(N), [&](int64_t b, int64_t e) {
-    add_rows<T>(h.data_ptr<T>(), delta.data_ptr<T>(), ds, N, b, e);
-    rms_rows<T>(h.data_ptr<T>(), N, out.data_ptr<T>(), N, w.data_ptr<T>(), N, T(eps), b, e);
+    add_rows<S, A>(h.data_ptr<S>(), delta.data_ptr<S>(), ds, N, b, e);
+    rms_rows<S, A>(h.data_ptr<S>(), N, out.data_ptr<S>(), N, w.data_ptr<S>(), N, A(eps), b, e);
   }));
   return out;
 }
@@ -98,29 +107,31 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const int64_t F = gate_up.size(1) / 2, rs = gate_up.stride(0);
   auto out = torch::empty({gate_up.size(0), F}, gate_up.options());
   DEEPINFER_FLOATING(gate_up, at::parallel_for(0, gate_up.size(0), row_grain(2 * F), [&](int64_t b, int64_t e) {
-    silu_mul_rows<T>(gate_up.data_ptr<T>(), rs, out.data_ptr<T>(), F, b, e);
+    silu_mul_rows<S, A>(gate_up.data_ptr<S>(), rs, out.data_ptr<S>(), F, b, e);
   }));
   return out;
 }
 
 // x [T, heads, D] (a view: D contiguous; e.g. q and k side by side in the QKV output) rotated in place:
 // x·cos + rotate_half(x)·sin with cos/sin [T, D] already indexed by position. Products and the sum are rounded
-// separately (no fused multiply-add), as torch's reference computes them: the result is bit-identical.
-template <typename T>
+// separately (no fused multiply-add; in bfloat16 each rounded to bfloat16), as torch's reference computes them:
+// the result is bit-identical.
+template <typename S, typename A>
 __attribute__((optimize("fp-contract=off")))
-static void rope_rows(T* x, int64_t s0, int64_t s1, int64_t H, int64_t D, const T* cos, const T* sin, int64_t b,
+static void rope_rows(S* x, int64_t s0, int64_t s1, int64_t H, int64_t D, const S* cos, const S* sin, int64_t b,
                       int64_t e) {
   const int64_t half = D / 2;
   for (int64_t t = b; t < e; ++t) {
-    const T* c = cos + t * D;
-    const T* s = sin + t * D;
+    const S* c = cos + t * D;
+    const S* s = sin + t * D;
     for (int64_t h = 0; h < H; ++h) {
-      T* r = x + t * s0 + h * s1;
+      S* r = x + t * s0 + h * s1;
       for (int64_t i = 0; i < half; ++i) {
-        const T x1 = r[i], x2 = r[i + half];
-        const T a = x1 * c[i], bb = x2 * s[i], cc = x2 * c[i + half], d = x1 * s[i + half];
-        r[i] = a - bb;
-        r[i + half] = cc + d;
+        const A x1 = static_cast<A>(r[i]), x2 = static_cast<A>(r[i + half]);
+        const A a = rnd<S>(x1 * static_cast<A>(c[i])), bb = rnd<S>(x2 * static_cast<A>(s[i]));
+        const A cc = rnd<S>(x2 * static_cast<A>(c[i + half])), d = rnd<S>(x1 * static_cast<A>(s[i + half]));
+        r[i] = static_cast<S>(a - bb);
+        r[i + half] = static_cast<S>(cc + d);
       }
     }
   }
@@ -135,6 +146,6 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.size(1) <= 1 || x.stride(1) >= x.size(2), "heads of x must not overlap");
   const int64_t H = x.size(1), D = x.size(2);
   DEEPINFER_FLOATING(x, at::parallel_for(0, x.size(0), row_grain(H * D), [&](int64_t b, int64_t e) {
-    rope_rows<T>(x.data_ptr<T>(), x.stride(0), x.stride(1), H, D, cos.data_ptr<T>(), sin.data_ptr<T>(), b, e);
+    rope_rows<S, A>(x.data_ptr<S>(), x.stride(0), x.stride(1), H, D, cos.data_ptr<S>(), sin.data_ptr<S>(), b, e);
   }));
 }

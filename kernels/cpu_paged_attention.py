@@ -26,9 +26,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One extension, two sources: attention + KV store, and the layer ops (kernels/layer_ops.py dispatches to them).
-_SOURCE = "\n".join((Path(__file__).parent / name).read_text() for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp"))
-_FUNCTIONS = ["paged_decode", "store_kv", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
+# One extension, three sources: attention + KV store, the layer ops (kernels/layer_ops.py dispatches to them) and
+# greedy sampling's argmax (kernels/sampling_ops.py).
+_SOURCE = "\n".join((Path(__file__).parent / name).read_text()
+                    for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_sampling_ops.cpp"))
+_FUNCTIONS = ["paged_decode", "store_kv", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "argmax_rows"]
 
 # Reassociation (vectorised sums) but exact expf and IEEE infinities: -ffast-math's approximate vector exp bought
 # nothing measurable over this on the engine benchmark; without -fassociative-math decode runs ~15% slower

@@ -1,11 +1,14 @@
 """The per-token ops between a decoder layer's matmuls: RMSNorm (alone and fused with the residual add), the
 SiLU-gated product of the MLP, and RoPE applied in place.
 
-On CPU in float32/float64 each runs as one pass of the C++ extension (kernels/cpu_layer_ops.cpp), instead
-of torch's 2-5 passes with temporaries; everywhere else (CUDA, half precision, no compiler, or
+On CPU in float32/float64/bfloat16 each runs as one pass of the C++ extension (kernels/cpu_layer_ops.cpp),
+instead of torch's 2-5 passes with temporaries; everywhere else (CUDA, float16, no compiler, or
 ``DEEPINFER_DISABLE_CPP_KERNELS=1``) the torch reference below runs. Both compute the same math: RoPE is
 bit-identical; the norm and SiLU differ from torch in the last bits (summation order, a polynomial exp whose
 argument is clamped at -87, so a gate below -87 gives a product within ~1e-36 of torch's, not equal to it).
+In bfloat16 the kernel rounds to bfloat16 wherever the reference's ops do (the normalised row before the scale,
+SiLU before the product, each RoPE product, the residual sum), so a result differs from torch's by at most one
+bfloat16 rounding step, where the float32 sums behind it differed in their last bits.
 The kernels refuse (``RuntimeError``) tensors off the CPU, overlapping rows, and a ``delta`` overlapping ``h``.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from kernels import cpu_paged_attention
 
 def _native(x: torch.Tensor):
     """The extension when ``x`` can use it, else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
     return cpu_paged_attention.load()
 

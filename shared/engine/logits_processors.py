@@ -45,6 +45,14 @@ def _counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torc
     return counts.scatter_add_(1, ids, valid.float())
 
 
+def _ban(sub: torch.Tensor, at: list[int], seqs: list[Sequence[int]]) -> None:
+    """``sub[at[k], t] = -inf`` for every token ``t`` of ``seqs[k]``, in place: a write per banned token, not a
+    pass over the vocabulary."""
+    ids, valid = _padded(seqs, sub.device)
+    rows = torch.tensor(at, dtype=torch.long, device=sub.device)[:, None].expand_as(ids)
+    sub[rows[valid], ids[valid]] = float("-inf")
+
+
 def tokenize_bad_words(words: Sequence[str], encode) -> list[list[int]]:
     """vLLM's rule: each word as written (leading spaces dropped), and with one leading space where that makes a
     different first token of the same length (a word inside text); ``encode(text) -> ids`` without specials."""
@@ -89,9 +97,7 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
 
     early = [j for j, p in enumerate(ps) if p.min_tokens and len(outputs[rows[j]]) < p.min_tokens]
     if early:
-        ids, valid = _padded([[*eos, *ps[j].stop_token_ids] for j in early], device)
-        ban = torch.zeros(len(early), vocab, dtype=torch.bool, device=device).scatter_(1, ids, valid)
-        sub[early] = sub[early].masked_fill(ban, neg_inf)
+        _ban(sub, early, [[*eos, *ps[j].stop_token_ids] for j in early])
 
     biased = [j for j, p in enumerate(ps) if p.logit_bias]
     if biased:
@@ -120,11 +126,10 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
               if p.bad_words_token_ids]
     banned = [(j, ids) for j, ids in banned if ids]
     if banned:
-        ids, valid = _padded([ids for _, ids in banned], device)
-        ban = torch.zeros(len(banned), vocab, dtype=torch.bool, device=device).scatter_(1, ids, valid)
-        at = [j for j, _ in banned]
-        sub[at] = sub[at].masked_fill(ban, neg_inf)
+        _ban(sub, [j for j, _ in banned], [ids for _, ids in banned])
 
+    if len(rows) == len(params):  # every row processed: ``sub`` is already a new float tensor in row order
+        return sub
     out = logits.float().clone()
     out[torch.tensor(rows, dtype=torch.long, device=device)] = sub
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.sampling_ops import argmax
 from shared.engine.logits_processors import process
 from shared.sampling import SamplingParams
 
@@ -42,8 +43,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     tokens = [0] * len(params)
     if greedy_rows:
-        idx = torch.tensor(greedy_rows, dtype=torch.long)
-        for row, tok in zip(greedy_rows, logits[idx].argmax(-1).tolist()):
+        rows = logits if len(greedy_rows) == len(params) else logits[torch.tensor(greedy_rows, dtype=torch.long)]
+        for row, tok in zip(greedy_rows, argmax(rows).tolist()):
             tokens[row] = tok
     for i, p in enumerate(params):
         if not p.is_greedy:

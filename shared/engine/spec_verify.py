@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.sampling_ops import argmax
 from shared.engine.logits_processors import process
 from shared.engine.sampler import probabilities
 from shared.sampling import SamplingParams
@@ -33,7 +34,7 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gener
         histories = [[*output, *draft[:i]] for i in range(len(draft) + 1)]
         logits = process(logits, [params] * len(histories), [prompt] * len(histories), histories, eos)
     if params.is_greedy:
-        target = logits.argmax(-1).tolist()          # ties -> lowest id, as in sampler.sample
+        target = argmax(logits).tolist()          # ties -> lowest id, as in sampler.sample
         n = 0
         while n < len(draft) and draft[n] == target[n]:
             n += 1

@@ -67,7 +67,7 @@ def paged_case(dtype, seed=0, bs=8, heads=6, kv_heads=2, dim=16):
     return q, k, v, np.array(tables, dtype=np.int32), np.array(lens)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
 def test_cascade_equals_the_reference(dtype, tol):
     q, k, v, tables, lens = paged_case(dtype)
     cascade = cascade_attention.find_shared_prefixes(tables, lens, 8, CPU, min_rows=2, min_blocks=2,
@@ -93,6 +93,10 @@ def test_kernel_rejects_prefix_parts_of_the_wrong_shape():
         cpu_paged_attention.paged_decode_attention_cpu(q, k, v, bt, ctx, 0.25, None, ctx.clone(), q, lse)
     with pytest.raises(RuntimeError, match="sliding window"):
         cpu_paged_attention.paged_decode_attention_cpu(q, k, v, bt, ctx, 0.25, 8, starts, q, lse)
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]  # bfloat16 queries take their prefix parts in float32 only
+    with pytest.raises(RuntimeError, match="accumulator"):
+        cpu_paged_attention.paged_decode_attention_cpu(*half, bt, ctx, 0.25, None, starts, half[0],
+                                                       lse.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"layer_sliding_windows": (None, 12)}], ids=["llama", "one-window-layer"])

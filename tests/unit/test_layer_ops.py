@@ -55,11 +55,55 @@ def test_rope_in_place_is_bit_identical_to_the_reference_on_the_qkv_view(dtype):
     assert torch.equal(qkv[:, (H + KVH) * D:], untouched)  # v is not touched
 
 
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 values apart ``a`` and ``b`` are, elementwise (same sign: their bit patterns' distance)."""
+    ia, ib = (t.view(torch.int16).to(torch.int32) for t in (a, b))
+    return (ia - ib).abs()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_bfloat16_norms_round_where_the_reference_rounds(rows):
+    """The bfloat16 kernel equals torch's bfloat16 ops (widen, normalise, round, scale, round) on all but a few
+    elements, and those by one bfloat16 step: the float32 sums of squares differ only in their order. A kernel
+    scaling in float32 before its one rounding (no intermediate rounding) differs on ~26% of the elements."""
+    x, w, d = (rand(rows, 576, dtype=torch.bfloat16, scale=3), rand(576, dtype=torch.bfloat16, seed=1),
+               rand(rows, 576, dtype=torch.bfloat16, seed=2))
+    out, ref = layer_ops.rms_norm(x, w, 1e-5), layer_ops.rms_norm_reference(x, w, 1e-5)
+    assert out.dtype == torch.bfloat16
+    steps = _bf16_steps(out, ref)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+    h = x.clone()
+    normed = layer_ops.add_rms_norm_(h, d, w, 1e-5)
+    assert torch.equal(h, x + d)  # the residual add rounds as torch's bfloat16 add does
+    steps = _bf16_steps(normed, layer_ops.rms_norm_reference(x + d, w, 1e-5))
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+
+
+def test_bfloat16_silu_mul_and_rope_round_as_torch_does():
+    gate = torch.cat([rand(5, 64, dtype=torch.bfloat16, scale=4),
+                      torch.tensor([[-200.0, -88.0, -30.0, 0.0, 30.0, 88.0, 200.0, -1e-30] * 8] * 5,
+                                   dtype=torch.bfloat16)], dim=1)
+    up = rand(5, 128, dtype=torch.bfloat16, seed=3)
+    out = layer_ops.silu_mul(torch.cat([gate, up], dim=1))
+    ref = F.silu(gate) * up  # torch: silu rounded to bfloat16, then the product rounded
+    assert torch.isfinite(out).all()
+    steps = _bf16_steps(out[:, :64], ref[:, :64])  # ordinary gates: one rounding step at most, rarely
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+    torch.testing.assert_close(out[:, 64:], ref[:, 64:], atol=1e-35, rtol=0.02)  # below -87: the clamped exp
+    T, H, KVH, D = 9, 6, 2, 64
+    qkv = rand(T, (H + 2 * KVH) * D, dtype=torch.bfloat16, scale=2)
+    angles = rand(T, D, seed=4)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    view = qkv[:, :(H + KVH) * D].view(T, H + KVH, D)
+    expected = layer_ops.rope_reference(view, cos, sin)
+    assert torch.equal(layer_ops.rope_(view, cos, sin), expected)  # every product and the sum rounded as torch's
+
+
 def test_other_dtypes_and_layouts_take_the_torch_path():
-    x = rand(4, 32, dtype=torch.bfloat16)
-    w = rand(32, dtype=torch.bfloat16, seed=1)
+    x = rand(4, 32, dtype=torch.float16)
+    w = rand(32, dtype=torch.float16, seed=1)
     assert torch.equal(layer_ops.rms_norm(x, w, 1e-6), layer_ops.rms_norm_reference(x, w, 1e-6))
-    gu = rand(4, 64, dtype=torch.bfloat16)
+    gu = rand(4, 64, dtype=torch.float16)
     assert torch.equal(layer_ops.silu_mul(gu), F.silu(gu[:, :32]) * gu[:, 32:])
     heads = rand(4, 3, 8)  # a 3-D norm (Qwen3's per-head q/k norm) uses the reference
     assert torch.equal(layer_ops.rms_norm(heads, w[:8].float(), 1e-6), layer_ops.rms_norm_reference(heads, w[:8].float(), 1e-6))

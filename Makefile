@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv clean compose-check
+.PHONY: run test bench venv clean compose-check gpu-check
 
 venv: $(STAMP)
 
@@ -48,6 +48,9 @@ bench: venv
 
 compose-check: venv  # docker compose up for real under Debian's podman, as root, no registry (not in CI)
 	./scripts/compose_check.sh
+
+gpu-check:  # on a CUDA host with no internet: gpu-marked tests + a short engine benchmark (scripts/gpu_check.sh)
+	./scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -101,7 +101,8 @@ async def burst(url: str, prompts: list[list[int]], max_tokens: int, api_key: st
             "tpot": [r["tpot"] for r in ok if r["tpot"] is not None]}
 
 
-def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None = None) -> dict:
+def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None = None,
+                 dtype: str = "float32") -> dict:
     """The in-process engine on the same work (every prompt added at once, stepped to the end), with a variant's
     sampling fields."""
     from shared.engine.config import EngineConfig
@@ -110,7 +111,7 @@ def engine_burst(prompts: list[list[int]], max_tokens: int, extra: dict | None =
 
     from services.router.openai_api import structured_spec
 
-    engine = LLMEngine.from_path(None, EngineConfig(dtype="float32", device="cpu"))
+    engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, device="cpu"))
     fields = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **(extra or {})}
     spec = structured_spec(fields)      # the HTTP body's response_format / guided_* as the engine's spec
     fields = {k: v for k, v in fields.items() if k not in ("response_format", "structured_outputs")
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--up", action="append", default=[], metavar="FLAGS",
                     help="launch `deepinfer up FLAGS` here and burst it (repeatable; '' = the defaults)")
     ap.add_argument("--engine", action="store_true", help="also run the in-process engine (the baseline)")
+    ap.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the in-process engine's dtype (compare with `--up \"--dtype bfloat16\"`)")
     ap.add_argument("--prompt-set", default="both", choices=["distinct", "shared-prefix", "both"])
     ap.add_argument("--limit", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -214,7 +217,7 @@ def main() -> None:
         results: dict[str, dict] = {}
         for variant, extra in variants.items():
             if args.engine:
-                results[tag("in-process engine", variant)] = engine_burst(prompts, args.max_tokens, extra)
+                results[tag("in-process engine", variant)] = engine_burst(prompts, args.max_tokens, extra, args.engine_dtype)
         for flags in args.up:
             for variant, r in asyncio.run(up_burst(flags, prompts, args.max_tokens, variants)).items():
                 results[tag(f"deepinfer up {flags}".strip(), variant)] = r

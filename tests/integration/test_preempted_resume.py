@@ -6,6 +6,7 @@ prefix lookup finds it; every output equals the single-process engine's, and the
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -48,17 +49,28 @@ async def test_a_preempted_sequence_is_pulled_back_from_the_tier_and_ends_exact(
         assert need <= bm.num_blocks < need + -(-(CHAT_PROMPT + CHAT_TOKENS) // 8)   # a chat must preempt
         computed = [0]   # tokens the engine ran (a pass-through count: every token's KV at least once)
         execute = decode.engine.runner.execute
+        running = decode.engine.scheduler.running
+        chats_sent = threading.Event()
+
+        def ready() -> bool:   # every batch sequence seated and 16 tokens in: when the chats are meant to arrive
+            return len(running) == BATCH and all(r.num_output_tokens >= 16 for r in running)
 
         def counting(sched):
             computed[0] += sched.num_batched_tokens
+            if ready() and not chats_sent.is_set():
+                # hold each step up to 50 ms until the chats are sent: the window between 16 and 40 tokens lasts
+                # however fast the engine steps (a fast host once finished the batch between two polls)
+                chats_sent.wait(0.05)
             return execute(sched)
         decode.engine.runner.execute = counting
         nc = await connect(nats_server.url)
         try:
             flood = [asyncio.create_task(generate(nc, request(p, BATCH_TOKENS, "batch"))) for p in batch]
-            assert await wait_until(lambda: len(decode.engine.scheduler.running) == BATCH and all(
-                r.num_output_tokens >= 16 for r in decode.engine.scheduler.running), timeout=60.0)
-            answers = await asyncio.gather(*(generate(nc, request(p, CHAT_TOKENS, "interactive")) for p in chats))
+            assert await wait_until(ready, timeout=60.0)
+            chat_tasks = [asyncio.create_task(generate(nc, request(p, CHAT_TOKENS, "interactive"))) for p in chats]
+            await asyncio.sleep(0.2)   # the chats' requests reach the worker while the batch is held
+            chats_sent.set()
+            answers = await asyncio.gather(*chat_tasks)
             batch_answers = await asyncio.gather(*flood)
         finally:
             await nc.close()

@@ -17,7 +17,7 @@ t0=$(date +%s)
 say() { echo "[gpu-check $(( $(date +%s) - t0 ))s] $*"; }
 
 say "host: $($python -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")' 2>&1)"
-if ! $python -m pip install -q --no-index --no-deps --target "$site" --find-links "$wheels" -r scripts/gpu_requirements.txt; then
+if ! $python -m pip install -q --upgrade --no-index --no-deps --target "$site" --find-links "$wheels" -r scripts/gpu_requirements.txt; then
   echo "GPU CHECK: FAILED (install from $wheels: run scripts/gpu_wheels.sh and carry the folder)"; exit 2
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
@@ -36,7 +36,7 @@ timeout 300 "$py" -m pytest -q -p no:cacheprovider -m gpu -W default --timeout 2
   tests/gpu tests/unit/test_decode_graphs.py tests/integration/test_kv_device_handoff.py \
   tests/integration/test_kv_transports.py --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
-summary=$(grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -1)
+summary=$(grep -E "passed|failed|error|skipped" "$out/gpu-tests.log" | tail -1)
 
 # 2. A short engine benchmark on a random checkpoint of SmolLM2-135M's shape (no model download on the host).
 say "engine benchmark"
@@ -56,5 +56,7 @@ prefill=$(grep -E "^prefill" "$out/gpu-bench.log" | grep -oE "[0-9.]+ prompt tok
 graphs=$(grep -E "decode batch  64: graphs" "$out/gpu-bench.log" | sed 's/.*graphs \/ eager = //')
 
 status=OK; [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] || status=FAILED
+# on a GPU host every one of those tests must have run: a skip there means a path went unchecked
+[ "${GPU_CHECK_ON_CPU:-0}" = 1 ] || ! grep -qE "[0-9]+ skipped" <<< "$summary" || status=FAILED
 echo "GPU CHECK: $status in $(( $(date +%s) - t0 )) s | tests: ${summary:-none ran} | decode b64: ${decode64:-n/a}, graphs/eager ${graphs:-n/a} | prefill: ${prefill:-n/a}"
 [ "$status" = OK ]

@@ -20,7 +20,12 @@ static int64_t argmax_row(const S* __restrict x, int64_t V) {
     const float v = static_cast<float>(x[i]);
     if (nan ? v != v : v == m) return i;
   }
-  return 0;  // every element -inf: m is -inf and index 0 equals it, so this is reached only for V == 0
+  return 0;  // not reached: V > 0 and some element equals m (or is the NaN found)
+}
+
+template <typename S>
+static void argmax_all(const S* x, int64_t R, int64_t rs, int64_t V, int64_t* out) {
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) out[r] = argmax_row(x + r * rs, V); });
 }
 
 // x [R, V] (rows contiguous; float32 or bfloat16) -> [R] int64: each row's argmax.
@@ -31,12 +36,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
   const int64_t V = x.size(1), rs = x.stride(0);
   int64_t* o = out.data_ptr<int64_t>();
-  if (x.scalar_type() == torch::kFloat) {
-    const float* p = x.data_ptr<float>();
-    at::parallel_for(0, x.size(0), 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * rs, V); });
-  } else {
-    const at::BFloat16* p = x.data_ptr<at::BFloat16>();
-    at::parallel_for(0, x.size(0), 1, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * rs, V); });
-  }
+  if (x.scalar_type() == torch::kFloat) argmax_all(x.data_ptr<float>(), x.size(0), rs, V, o);
+  else argmax_all(x.data_ptr<at::BFloat16>(), x.size(0), rs, V, o);
   return out;
 }

@@ -26,11 +26,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One extension, three sources: attention + KV store, the layer ops (kernels/layer_ops.py dispatches to them) and
-# greedy sampling's argmax (kernels/sampling_ops.py).
+# One extension, four sources: decode attention + KV store, the layer ops (kernels/layer_ops.py dispatches to them),
+# prefill attention (kernels/prefill_attention.py; uses the first two's exp and rounding) and greedy sampling's
+# argmax (kernels/sampling_ops.py).
 _SOURCE = "\n".join((Path(__file__).parent / name).read_text()
-                    for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_sampling_ops.cpp"))
-_FUNCTIONS = ["paged_decode", "store_kv", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "argmax_rows"]
+                    for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_prefill_attention.cpp",
+                                 "cpu_sampling_ops.cpp"))
+_FUNCTIONS = ["paged_decode", "store_kv", "paged_prefill_", "rms_norm", "add_rms_norm_", "silu_mul", "rope_",
+              "argmax_rows"]
 
 # Reassociation (vectorised sums) but exact expf and IEEE infinities: -ffast-math's approximate vector exp bought
 # nothing measurable over this on the engine benchmark; without -fassociative-math decode runs ~15% slower

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kernels.cascade_attention import DecodeCascade, cascade_decode_attention
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_decode_attention
+from kernels.prefill_attention import PrefillPlan, build_plan, native_supports, paged_prefill_attention_cpu
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class AttentionMetadata:
     block_size: int
     masks: dict = field(default_factory=dict)  # (q_len, context_len, window, dtype) -> additive mask, per step
     decode_cascade: DecodeCascade | None = None  # decode rows sharing prefix blocks (CPU; windowless layers)
+    prefill_plan: PrefillPlan | None = None  # the prefills as the CPU prefill kernel reads them (built on first use)
 
 
 def _chunk_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -97,6 +99,11 @@ def attend(
     elif nd:
         out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                           meta.decode_context_lens, scale, sliding_window)
+    if meta.prefills and native_supports(q, k_cache):
+        if meta.prefill_plan is None:
+            meta.prefill_plan = build_plan(meta.prefills, k_cache.shape[1])
+        paged_prefill_attention_cpu(q, k_cache, v_cache, out, meta.prefill_plan, scale, sliding_window)
+        return out
     for chunk in meta.prefills:
         q_len = chunk.end - chunk.start
         qc = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, D]

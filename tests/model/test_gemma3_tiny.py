@@ -68,14 +68,26 @@ def test_hf_folder_matches_transformers_fp32_and_bf16(tmp_path, rope_layout):
     assert dataclasses.replace(loaded, architecture="gemma3", model_id=config.model_id) == config
     assert tok.encode("hello")[0] == BOS_ID and EOT_ID in tok.eos_token_ids  # tokenizer_config / config.json
     ids = prompt(60, config.vocab_size)
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         with torch.inference_mode():
-            expected = hf(torch.tensor([ids])).logits[0].float()
-        got = all_logits(LlamaModel(loaded, weights, dtype, CPU), ids).float()
-        diff = (got - expected).abs().max().item()
-        assert diff < tolerance, f"{dtype}: max-abs logit difference {diff}"
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+            logits["hf", dtype] = hf(torch.tensor([ids])).logits[0].float()
+        logits["ours", dtype] = all_logits(LlamaModel(loaded, weights, dtype, CPU), ids).float()
+    reference = logits["hf", torch.float32]
+    diff = (logits["ours", torch.float32] - reference).abs().max().item()
+    assert diff < 1e-4, f"float32: max-abs logit difference {diff}"
+    assert torch.equal(logits["ours", torch.float32].argmax(-1), reference.argmax(-1))
+    # bfloat16: two engines' kernels round at different places (a one-step difference in one attention output
+    # moves these logits by ~0.08), so ours must be as close to the float32 reference as transformers' own
+    # bfloat16 run is, and pick its tokens wherever the reference's top two are further apart than that error
+    ours_error = (logits["ours", torch.bfloat16] - reference).abs().max().item()
+    hf_error = (logits["hf", torch.bfloat16] - reference).abs().max().item()
+    assert ours_error <= 1.25 * hf_error + 1e-3, (ours_error, hf_error)
+    top2 = reference.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * max(ours_error, hf_error)
+    assert clear.sum() >= len(ids) // 2  # the check below has rows to look at
+    assert torch.equal(logits["ours", torch.bfloat16].argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
 def test_tokenizer_matches_transformers(tiny_gguf):

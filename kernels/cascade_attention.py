@@ -2,11 +2,12 @@
 
 Sequences behind one system prompt hold the same physical blocks for it (prefix caching). Attending it row by
 row reads those blocks once per sequence in matrix-vector products. Instead, each group's queries attend the
-shared prefix in one flash-attention call (matrix-matrix products, every key read once for the whole group),
+shared prefix together (matrix-matrix products, every key read once for the whole group: on CPU in float32 and
+bfloat16 all groups in one call of kernels/prefill_attention.py's kernel, else one flash-attention call per group),
 then the paged kernel attends each row's own tail and merges both parts by log-sum-exp. Same softmax, another
 summation order: results equal the plain kernel's to rounding (float64 runs stay token-exact). In bfloat16 the
-prefix part's output and log-sum-exp are kept in float32 (the flash kernel's output rounded to bfloat16 once, as
-its own result), and the merge rounds to bfloat16 once.
+prefix part's output and log-sum-exp are kept in float32 (the C++ kernel's unrounded; the flash kernel's output
+rounded to bfloat16 once, as its own result), and the merge rounds to bfloat16 once.
 
 Invariants of a ``DecodeCascade`` (``find_shared_prefixes`` guarantees them):
   * every row of a group holds the group's ``blocks`` as the first entries of its block table (identical
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels import cpu_paged_attention
+from kernels.prefill_attention import native_supports, paged_prefix_attention_cpu, prefix_plan
 
 # Measured with benchmarks/cascade_attention.py (2 AVX2 cores, 9 heads / 3 kv heads, D 64, 100-token tails):
 # 64 rows x 64 shared blocks 1.99x, 16 x 16 1.23x, 8 x 64 1.55x, 64 x 8 1.02x; 8 x 16 0.78x, 64 x 4 0.75x (the
@@ -97,6 +99,15 @@ def cascade_decode_attention(query: torch.Tensor,  # [B, H, D]
     acc = torch.float32 if query.dtype == torch.bfloat16 else query.dtype  # the decode kernel's accumulator
     prefix_out = query.new_zeros(query.shape, dtype=acc)  # [B, H, D]: attention over each row's shared prefix
     prefix_lse = query.new_zeros(B, H, dtype=acc)  # [B, H]: its log-sum-exp
+    if native_supports(query, k_cache):  # every group in one call of the C++ kernel, blocks read in place
+        rows = torch.cat([group.rows for group in cascade.groups])  # [R]
+        plan = prefix_plan([len(group.rows) for group in cascade.groups], [group.blocks for group in cascade.groups],
+                           k_cache.shape[1])
+        out, lse = paged_prefix_attention_cpu(query.index_select(0, rows), k_cache, v_cache, plan, scale)
+        prefix_out.index_copy_(0, rows, out.to(acc))
+        prefix_lse.index_copy_(0, rows, lse.to(acc))
+        return cpu_paged_attention.paged_decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens,
+                                                              scale, None, cascade.starts, prefix_out, prefix_lse)
     for group in cascade.groups:
         q = query.index_select(0, group.rows).transpose(0, 1)[None]  # [1, H, n, D]
         k = k_cache.index_select(0, group.blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, kvh, P, D]

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 _SOURCE = "\n".join((Path(__file__).parent / name).read_text()
                     for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_prefill_attention.cpp",
                                  "cpu_sampling_ops.cpp"))
-_FUNCTIONS = ["paged_decode", "store_kv", "paged_prefill_", "rms_norm", "add_rms_norm_", "silu_mul", "rope_",
-              "argmax_rows"]
+_FUNCTIONS = ["paged_decode", "store_kv", "paged_prefill_", "paged_prefix_attention", "rms_norm", "add_rms_norm_",
+              "silu_mul", "rope_", "argmax_rows"]
 
 # Reassociation (vectorised sums) but exact expf and IEEE infinities: -ffast-math's approximate vector exp bought
 # nothing measurable over this on the engine benchmark; without -fassociative-math decode runs ~15% slower

@@ -8,7 +8,7 @@ Invariants:
     tokens whose blocks are ``block_table`` (the first ``ceil(context_len / block_size)`` entries are read).
   * query at position p sees key j iff ``j <= p`` and, with a sliding window W, ``p - j < W``.
 
-On CPU in float32/bfloat16 (head dim a multiple of 16) the C++ kernel (kernels/cpu_prefill_attention.cpp) takes
+On CPU in float32/bfloat16 (head dim a multiple of 16, at most 512) the C++ kernel (kernels/cpu_prefill_attention.cpp) takes
 all chunks of a step in one call, reading K/V in place through the block tables; a query row's result there depends
 only on its position and the keys it sees, so chunked, prefix-hit and one-shot prefill agree bit for bit. Elsewhere
 (float64 exactness runs, CUDA, other head dims, no compiler) shared/model/attention.py gathers each chunk's context
@@ -48,10 +48,21 @@ def build_plan(chunks, block_size: int) -> PrefillPlan:
                        torch.tensor([c.context_len for c in chunks], dtype=torch.long), tables)
 
 
+def prefix_plan(row_counts: list[int], blocks: list[torch.Tensor], block_size: int) -> PrefillPlan:
+    """Chunks of ``row_counts[i]`` consecutive rows, each over the whole of its ``blocks[i]`` (``[nb_i]`` block ids;
+    context ``nb_i * block_size``), for ``paged_prefix_attention_cpu``."""
+    ends = torch.tensor(row_counts, dtype=torch.long).cumsum(0)
+    tables = torch.zeros(len(blocks), max(len(b) for b in blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        tables[i, :len(b)] = b
+    return PrefillPlan(ends - torch.tensor(row_counts, dtype=torch.long), ends,
+                       torch.tensor([len(b) * block_size for b in blocks], dtype=torch.long), tables)
+
+
 def native_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ``paged_prefill_attention_cpu`` takes these tensors (and the extension is built)."""
     return (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == q.dtype
-            and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1 and cpu_paged_attention.load() is not None)
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 512 and k_cache.stride(-1) == 1 and cpu_paged_attention.load() is not None)
 
 
 def paged_prefill_attention_cpu(q, k_cache, v_cache, out, plan: PrefillPlan, scale: float,
@@ -60,3 +71,11 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, out, plan: PrefillPlan, sca
     cpu_paged_attention.load().paged_prefill_(q.contiguous(), k_cache, v_cache, out, plan.starts, plan.ends,
                                               plan.context_lens, plan.block_tables, float(scale),
                                               int(sliding_window or 0))
+
+
+def paged_prefix_attention_cpu(q, k_cache, v_cache, plan: PrefillPlan, scale: float):
+    """Every row of chunk c attends exactly positions ``[0, context_lens[c])`` of its blocks, unmasked (cascade
+    decode's shared part: rows of different sequences behind one cached prefix) → ``(out [T, H, D], lse [T, H])``
+    in float32, the decode kernel's accumulator for both float32 and bfloat16."""
+    return cpu_paged_attention.load().paged_prefix_attention(q.contiguous(), k_cache, v_cache, plan.starts, plan.ends,
+                                                             plan.context_lens, plan.block_tables, float(scale))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels import cpu_paged_attention
-from kernels.prefill_attention import PrefillPlan, build_plan, native_supports, paged_prefill_attention_cpu
+from kernels.prefill_attention import (PrefillPlan, build_plan, native_supports, paged_prefill_attention_cpu,
+                                       paged_prefix_attention_cpu, prefix_plan)
 from shared.model.attention import PrefillChunk
 
 pytestmark = pytest.mark.skipif(cpu_paged_attention.load() is None, reason="the C++ extension cannot be built here")
@@ -95,6 +96,25 @@ def test_rows_outside_the_chunks_are_left_alone():
     assert torch.equal(out[:3], torch.full((3, 4, 32), 7.0))
     torch.testing.assert_close(out[3:].double(), reference(seqs.q[0][30:40], seqs.k[0], seqs.v[0], 40, 0, 0.2),
                                atol=3e-6, rtol=3e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-6), (torch.bfloat16, 1e-2)])
+def test_shared_prefix_rows_see_exactly_the_prefix_with_its_log_sum_exp(dtype, tol):
+    """Cascade decode's shared part: rows of other sequences (here random queries) behind two prefixes."""
+    seqs = Sequences([96, 40], 6, 3, 32, 8, dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(7, 6, 32, generator=g, dtype=torch.float64).to(dtype)  # 4 rows behind prefix 0, 3 behind 1
+    plan = prefix_plan([4, 3], [seqs.tables[0], seqs.tables[1]], 8)
+    out, lse = paged_prefix_attention_cpu(q, seqs.k_cache, seqs.v_cache, plan, 0.3)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (7, 6, 32) and lse.shape == (7, 6)
+    for rows, s in ((slice(0, 4), 0), (slice(4, 7), 1)):
+        n = len(seqs.k[s])
+        k, v = (x[s].double().repeat_interleave(2, dim=1) for x in (seqs.k, seqs.v))  # [n, H, D]
+        scores = torch.einsum("qhd,khd->qhk", q[rows].double(), k) * 0.3  # every row sees all n positions
+        torch.testing.assert_close(out[rows].double(), torch.einsum("qhk,khd->qhd", scores.softmax(-1), v),
+                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[rows].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        assert n % 8 == 0  # whole blocks: the prefix is what the plan says, no more
 
 
 def test_bad_calls_are_refused():

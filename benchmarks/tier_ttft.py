@@ -36,11 +36,12 @@ def long_prompt(tokens: int) -> list[int]:
     raise ValueError(f"the benchmark prompts hold fewer than {tokens} tokens")
 
 
-async def send(url: str, prompt: list[int], mode: str, new_tokens: int) -> tuple[float, list[int], dict]:
+async def send(url: str, prompt: list[int], mode: str, new_tokens: int,
+               timeout_s: float = 600) -> tuple[float, list[int], dict]:
     nc = await connect(url, "tier-ttft")
     try:
         req = protocol.GenerateRequest(prompt_token_ids=prompt, max_tokens=new_tokens, temperature=0.0,
-                                       ignore_eos=True, timeout_s=600, retention="chat", prefill_mode=mode)
+                                       ignore_eos=True, timeout_s=timeout_s, retention="chat", prefill_mode=mode)
         t0, ttft, tokens, usage = time.perf_counter(), None, [], {}
         async for chunk in generate_stream(nc, req):
             if ttft is None and chunk.token_ids:

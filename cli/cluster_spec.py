@@ -31,6 +31,7 @@ class ClusterSpec:
     dtype: str = "auto"
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     swa_kv_context: int = 0  # the workers' --swa-kv-context (0 = the engine's default)
+    rope_scaling: str = ""  # the workers' --rope-scaling (JSON; "" = the model's own)
     tier_kv_format: str = ""  # the workers' --tier-kv-format ("" = blocks in the model's dtype)
     scheduling_policy: str = "priority"  # the workers' --scheduling-policy
     preempt_offer_mib: int = 0  # the workers' --preempt-offer-mib (with a tier: preempted KV resumed from it)

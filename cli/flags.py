@@ -83,6 +83,10 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swa-kv-context", type=int, default=0, metavar="TOKENS",
                         help="sliding-window models: split each worker's KV budget between full and window pools "
                              "for prompts of this length (default: min(context, 4096); README: SWA-aware KV)")
+    parser.add_argument("--rope-scaling", default="", metavar="JSON",
+                        help="replace the model's RoPE scaling to extend its context, as Qwen2.5 documents: "
+                             "'{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}' "
+                             "serves 131,072 tokens (an extension: README, Long contexts)")
     parser.add_argument("--tier-kv-format", default="", choices=["", "fp8", "int8"],
                         help="KV blocks to and from the cache tier compressed: fp8 (e4m3) or int8 with a scale per "
                              "layer row, K/V half and head (default: the model's dtype)")
@@ -123,7 +127,8 @@ def cluster_flag_values(args: argparse.Namespace) -> dict:
     return dict(served_model_name=args.served_model_name, chat_template=args.chat_template,
                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
                 reasoning_parser=args.reasoning_parser, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
-                swa_kv_context=args.swa_kv_context, tier_kv_format=args.tier_kv_format,
+                swa_kv_context=args.swa_kv_context, rope_scaling=args.rope_scaling,
+                tier_kv_format=args.tier_kv_format,
                 scheduling_policy=args.scheduling_policy, preempt_offer_mib=args.preempt_offer_mib,
                 local_prefill_threshold=args.local_prefill_threshold, policy=args.policy,
                 ttft_slo_s=args.admission_ttft, cache_tier=args.cache_tier, cache_tier_dir=args.cache_tier_dir,

@@ -170,6 +170,7 @@ class Cluster:
         self._spawn(name, module, [*self._common_args(name), *(["--role", role] if s.switchable else []),
                                                "--threads", str(threads), "--kv-cache-mb", str(s.kv_cache_mb),
                                                "--swa-kv-context", str(s.swa_kv_context),
+                                               *(["--rope-scaling", s.rope_scaling] if s.rope_scaling else []),
                                                "--scheduling-policy", s.scheduling_policy,
                                                "--transports", s.transports, "--dtype", s.dtype, *tier,
                                                *self._metrics_args(name),

@@ -11,8 +11,9 @@ closes that user's connections and refuses new ones. ``list`` names the tenants.
 
 Invariants: only the ``admin`` user may ask and only the ``launcher`` user hears the requests; at most
 ``MAX_TENANTS`` tenants; a refused request (an unknown tenant to remove, one that exists to add, no auth on this
-cluster) is an ``ErrorReply`` and changes nothing; the reply is sent before the reload (a reload voids pending
-replies), so ``request_clients`` waits until the new credential is accepted before returning.
+cluster) is an ``ErrorReply`` and changes nothing; the reply reaches the server (flushed) before the reload starts
+(a reload voids pending replies), so ``request_clients`` waits until the new credential is accepted before
+returning.
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ class ClientDesk:
             reply = self.apply(req)
             if msg.reply:
                 await msg.respond(protocol.encode(reply))
+                # the server must have routed the reply before the reload starts: respond() only queues it in
+                # this client, and a reload that lands first voids the reply's permission (the caller times out)
+                with contextlib.suppress(nats.errors.TimeoutError):  # then reload anyway: the users changed
+                    await self.nc.flush(timeout=5)
             if req.op != "list":
                 async with self._reload:
                     await asyncio.to_thread(self.cluster.reload_users)

@@ -69,7 +69,7 @@ class Worker(TierMixin, Service):
                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                   dtype=c.dtype, device=c.device, num_threads=c.threads or None,
                                   swa_kv_context=c.swa_kv_context or None,
-                                  scheduling_policy=c.scheduling_policy)
+                                  scheduling_policy=c.scheduling_policy, rope_scaling=c.rope_scaling_dict())
         self.nc = await connect(c.nats_url, c.worker_id, on_closed=self._on_nats_closed, user=c.nats_user,
                                 password=c.nats_password, on_reconnected=self._on_reconnected)
         self.kv_events = KVEventPublisher(self.nc, c.worker_id, self._cached_hashes)

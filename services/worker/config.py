@@ -1,6 +1,7 @@
 """The prefill and decode workers' config (``python -m services.prefill|decode|switchable``)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from shared.config import ServiceConfig
@@ -20,6 +21,7 @@ class WorkerConfig(ServiceConfig):
     threads: int = 0  # 0 = all CPUs this process may use
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     swa_kv_context: int = 0  # sliding-window models: split the KV budget for prompts this long (0 = engine default)
+    rope_scaling: str = ""  # JSON rope_scaling replacing the model's, e.g. YaRN to extend its context ("" = keep)
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
@@ -49,6 +51,18 @@ class WorkerConfig(ServiceConfig):
     def _id_prefix(self) -> str:
         return self.role
 
+    def rope_scaling_dict(self) -> dict | None:
+        """``rope_scaling`` parsed (``None`` when empty); ``ValueError`` unless it is a JSON object."""
+        if not self.rope_scaling:
+            return None
+        try:
+            value = json.loads(self.rope_scaling)
+        except ValueError as err:
+            raise ValueError(f"rope_scaling is not JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("rope_scaling must be a JSON object, e.g. {\"rope_type\": \"yarn\", \"factor\": 4}")
+        return value
+
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)  # slots=True rebuilds the class: no zero-argument super()
         if self.tier_timeout_s <= 0 or self.tier_write_queue < 0 or self.router_dead_after_s <= 0 \
@@ -63,6 +77,7 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.swa_kv_context < 0:
             raise ValueError("swa_kv_context must be >= 0 (0: the engine's default)")
+        self.rope_scaling_dict()  # a bad --rope-scaling is refused at start, not when the model loads
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

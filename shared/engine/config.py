@@ -24,7 +24,10 @@ class EngineConfig:
     can see (``shared/engine/hybrid_kv.py``); a model without windows is unaffected. Pool sizes: with
     ``num_kv_blocks`` the full pool has that many blocks and the window pool ``num_window_kv_blocks`` (default:
     as many); otherwise ``kv_cache_bytes`` is split by ``hybrid_kv.pool_sizes`` for sequences of
-    ``swa_kv_context`` tokens (default ``min(max_model_len, hybrid_kv.SWA_KV_CONTEXT)``: 4,096)."""
+    ``swa_kv_context`` tokens (default ``min(max_model_len, hybrid_kv.SWA_KV_CONTEXT)``: 4,096).
+
+    ``rope_scaling``: an HF ``rope_scaling`` dict that replaces the loaded model's, extending its context
+    (``shared/model/config.with_rope_scaling``: YaRN ``factor`` 4 on a 32K model serves 128K)."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -42,6 +45,7 @@ class EngineConfig:
     num_window_kv_blocks: int | None = None
     swa_kv_context: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs | priority (shared/engine/scheduler.py)
+    rope_scaling: dict | None = None  # replaces the model's (shared/model/config.with_rope_scaling): YaRN etc.
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -72,6 +72,12 @@ class LLMEngine:
         config = config or EngineConfig()
         torch.set_num_threads(config.resolve_threads())  # process-wide: one engine per process
         model_config, weights, tokenizer = load_model_files(path, progress=progress)
+        if config.rope_scaling is not None:
+            from shared.model.config import with_rope_scaling
+
+            model_config = with_rope_scaling(model_config, config.rope_scaling)
+            logger.info("RoPE scaling overridden: %s (context %d)", model_config.rope_scaling,
+                        model_config.max_position_embeddings)
         device = config.resolve_device()
         model = build_model(model_config, weights, config.resolve_dtype(device), device)
         return cls(model, config, tokenizer)

@@ -6,6 +6,8 @@ Invariants (checked in ``__post_init__``):
 - ``layer_sliding_windows`` has one entry per layer; ``None`` means full attention for that layer.
 - ``rope_scaling`` is ``None`` or a dict with ``rope_type`` in {"linear", "llama3", "dynamic", "yarn"}; it applies
   to every layer, except the sliding-window layers when ``rope_local_theta`` is set (those use plain RoPE).
+  ``max_position_embeddings`` is at least the context a scaling naming its original length extends to
+  (``scaled_context``).
 - The Gemma knobs (``hidden_act``, ``embed_scale``, ``query_pre_attn_scalar``, ``rope_local_theta``,
   ``sandwich_norms``, ``norm_weight_offset``) default to LLaMA behaviour, so a LLaMA config never sets them.
   Checkpoint norm weights keep Hugging Face's convention: the effective scale is ``norm_weight_offset + weight``.
@@ -19,6 +21,7 @@ Invariants (checked in ``__post_init__``):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +165,8 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("linear", "llama3", "dynamic", "yarn", "default"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r}")
+            object.__setattr__(self, "max_position_embeddings", max(self.max_position_embeddings,
+                                                                    scaled_context(self.rope_scaling)))
 
     @property
     def attention_scale(self) -> float:
@@ -185,3 +190,40 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def scaled_context(scaling: dict[str, Any]) -> int:
+    """The context a ``rope_scaling`` that names its ``original_max_position_embeddings`` extends to: original x
+    factor for ``yarn`` / ``linear`` / ``dynamic`` (Qwen2.5's config.json keeps 32,768 beside YaRN x4 over 32,768:
+    131,072 tokens, as vLLM derives); 0 when it names none (the config's own length stands)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    original = scaling.get("original_max_position_embeddings")
+    if kind not in ("yarn", "linear", "dynamic") or not original:
+        return 0
+    return int(original * float(scaling.get("factor", 1.0)))
+
+
+def with_rope_scaling(config: ModelConfig, scaling: dict[str, Any]) -> ModelConfig:
+    """``config`` with its RoPE scaling replaced by ``scaling`` (an HF ``rope_scaling`` dict, as Qwen2.5 documents
+    for YaRN: ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}``): an extension
+    of the context the model was trained for, not a model of its own.
+
+    ``original_max_position_embeddings`` defaults to the model's context and is written into the result (the RoPE
+    tables and the fingerprint depend on it); the context becomes ``original * factor`` for ``yarn``, ``linear``
+    and ``dynamic`` (``scaled_context``), and stays ``original`` for ``llama3`` (its factor rescales frequencies
+    within it). Refused: a
+    DeepSeek V3/V4 model (its YaRN belongs to its latent layout), an unknown type, a factor below 1."""
+    if config.mla is not None or config.v4 is not None:
+        raise ValueError("rope scaling cannot be overridden on a DeepSeek V3/V4 model (its own YaRN is part of its "
+                         "attention layout)")
+    if not isinstance(scaling, dict):
+        raise ValueError("rope scaling must be a JSON object, e.g. {\"rope_type\": \"yarn\", \"factor\": 4}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor", 1.0)
+    if kind not in ("linear", "llama3", "dynamic", "yarn") or not isinstance(factor, (int, float)) or factor < 1:
+        raise ValueError(f"rope scaling needs rope_type linear, llama3, dynamic or yarn and a factor >= 1, got "
+                         f"{scaling}")
+    original = int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    merged = {**scaling, "rope_type": kind, "factor": float(factor), "original_max_position_embeddings": original}
+    merged.pop("type", None)
+    return dataclasses.replace(config, rope_scaling=merged, max_position_embeddings=original)  # then scaled_context

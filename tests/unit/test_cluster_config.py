@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 
 import pytest
@@ -265,3 +266,48 @@ def test_scheduling_policy_reaches_each_worker(monkeypatch):
         build_parser().parse_args(["up", "--scheduling-policy", "edf"])
     with pytest.raises(ValueError, match="scheduling_policy"):
         WorkerConfig(scheduling_policy="edf")
+
+
+def test_rope_scaling_reaches_each_worker_and_a_bad_one_is_refused_at_start(monkeypatch, tmp_path):
+    """``up --rope-scaling JSON`` (and ``node``): every worker is started with it; a worker refuses what is not a
+    JSON object before loading anything; the model-side meaning is tests/model/test_architectures_vs_transformers."""
+    from cli import up as cli_up
+    from cli.main import build_parser
+    from cli.launcher import Cluster
+
+    yarn = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
+    spec = cli_up.spec_from_args(build_parser().parse_args(["up", "--rope-scaling", yarn, "--cache-tier-dir",
+                                                            str(tmp_path)]), print)
+    assert spec.rope_scaling == yarn and cli_node.node_spec(node_args(rope_scaling=yarn)).rope_scaling == yarn
+    spawned = []
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, name, module, argv, *rest: spawned.append(argv))
+    Cluster(spec).spawn_worker("decode", 0)
+    config = load_config(WorkerConfig, spawned[0][spawned[0].index("--rope-scaling"):][:2])
+    assert config.rope_scaling_dict() == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    spawned.clear()
+    Cluster(cli_up.spec_from_args(build_parser().parse_args(["up", "--cache-tier-dir", str(tmp_path)]), print)
+            ).spawn_worker("decode", 0)
+    assert "--rope-scaling" not in spawned[0] and WorkerConfig().rope_scaling_dict() is None
+    for bad in ("yarn", "[4]"):
+        with pytest.raises(ValueError, match="rope_scaling"):
+            WorkerConfig(rope_scaling=bad)
+
+
+def test_with_rope_scaling_extends_the_context_and_refuses_what_it_cannot_mean():
+    from shared.model.config import LatentAttention, with_rope_scaling
+    from tests.model_factory import random_model_config
+
+    base = random_model_config(arch="qwen2", max_position_embeddings=32768)
+    yarn = with_rope_scaling(base, {"rope_type": "yarn", "factor": 4})
+    assert yarn.max_position_embeddings == 131072
+    assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert with_rope_scaling(base, {"type": "linear", "factor": 2, "original_max_position_embeddings": 16384}
+                             ).max_position_embeddings == 32768
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    assert with_rope_scaling(base, llama3).max_position_embeddings == 32768  # rescales within the context
+    for bad in ({"rope_type": "longrope", "factor": 4}, {"rope_type": "yarn", "factor": 0.5}, "yarn"):
+        with pytest.raises(ValueError, match="rope"):
+            with_rope_scaling(base, bad)
+    mla = dataclasses.replace(base, mla=LatentAttention(None, 32, 16, 8, 16))
+    with pytest.raises(ValueError, match="DeepSeek"):
+        with_rope_scaling(mla, {"rope_type": "yarn", "factor": 4})

@@ -26,7 +26,8 @@ from shared.wire_fields import (check_fingerprint, check_id, check_one_of, check
 from shared.wire_validation import MAX_MESSAGE_BYTES, WireModel, wire_field, wire_message
 
 MAX_CACHE_CONTROL_BYTES = 64 * 1024
-MAX_TIER_BLOCKS = 4096                  # blocks per put/get (the store's batch bound)
+MAX_TIER_BLOCKS = 16384                 # blocks per put/get (the store's batch bound): 256K tokens at block size 16;
+#                                         a get that long is ~1.5 MB of hashes, digests and tokens (max_payload 8 MB)
 MAX_TIER_TOKENS = 1 << 20
 MAX_BLOCK_SIZE = 1024
 MAX_SHAPE_DIMS = 8

@@ -28,6 +28,7 @@ from shared.errors import DeepinferError, ErrorCode
 from shared.kv import block_pack
 from shared.kv.block_hash import BlockChain
 from shared.kv.kv_codec import KVCodec
+from shared.protocol_cache import MAX_TIER_BLOCKS
 from shared.kv.transport import KVTransport, parse_dtype, transfer_timeout
 from shared.kv.transport_choice import common_transport
 
@@ -131,22 +132,22 @@ class TierClient:
         ``window_layers``: the model's sliding-window layers (blocks stored without their rows are taken too)."""
         if first >= len(chain) or not self.alive:
             return None
-        want = chain[first:]
+        want = chain[first:first + MAX_TIER_BLOCKS]   # a longer prompt's tail is computed
         self.counters.pulls += 1
         t0 = time.perf_counter()
         tid = self._transfer_id("tg")
         codec, model_shape, model_dtype = self.codec, block_shape, dtype
         if codec is not None:   # ask for blocks of this format only
             dtype, block_shape = codec.wire_dtype, codec.encoded_shape(block_shape)
-        get = protocol.CacheGet(transfer_id=tid, worker_id=self.worker_id, retention=retention,
-                                block_hashes=list(want.keys), block_digests=want.packed_digests(),
-                                model_fingerprint=want.model_fingerprint,
-                                token_ids=list(prompt[first * block_size:len(chain) * block_size]),
-                                block_size=block_size, dtype=dtype, block_shape=block_shape,
-                                transports=list(self.transports), host=self.host, tenant=tenant,
-                                full_layers=block_shape[0] - len(window_layers) if window_layers else 0)
         reply = None
         try:
+            get = protocol.CacheGet(transfer_id=tid, worker_id=self.worker_id, retention=retention,
+                                    block_hashes=list(want.keys), block_digests=want.packed_digests(),
+                                    model_fingerprint=want.model_fingerprint,
+                                    token_ids=list(prompt[first * block_size:(first + len(want)) * block_size]),
+                                    block_size=block_size, dtype=dtype, block_shape=block_shape,
+                                    transports=list(self.transports), host=self.host, tenant=tenant,
+                                    full_layers=block_shape[0] - len(window_layers) if window_layers else 0)
             most = len(want) * math.prod(block_shape) * parse_dtype(dtype).itemsize   # the tier stages, then replies
             msg = await self.nc.request(subjects.cache("get", self.tier_id), protocol.encode(get),
                                         timeout=transfer_timeout(self.timeout_s, most))
@@ -196,6 +197,11 @@ class TierClient:
         tier is away, the queue is full or staging fails. ``written``, when given, is set once the put is sent: True
         if the tier acknowledged it, False if it failed (left unset when this returns False)."""
         if not block_ids:
+            return False
+        if len(block_ids) > MAX_TIER_BLOCKS:   # one put's bound: such a run is not written (counted)
+            self.counters.writes_dropped += 1
+            logger.warning("write-back of %d blocks exceeds a put's %d: not written", len(block_ids),
+                           MAX_TIER_BLOCKS)
             return False
         name = self._transport() if self.alive else None
         if name is None or self._queue.full():

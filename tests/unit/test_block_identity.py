@@ -188,3 +188,34 @@ async def test_a_tier_reply_of_another_build_is_never_fetched():
         assert await client.pull(0, chain, list(range(12)), BS, [2, 4], "float32", "", "chat") is None
         assert nc.asked.model_fingerprint == FP and nc.asked.digests() == list(chain.digests)
         assert client.counters.pull_failures == 1 and nc.published == [subjects.cache("release", "cache-0")]
+
+
+async def test_a_prompt_longer_than_one_get_or_put_is_pulled_in_part_and_never_fails_its_request(monkeypatch):
+    """A context of more blocks than a CacheGet/CachePut carries (``MAX_TIER_BLOCKS``: a 77K-token prompt at block
+    size 16 had 4,812 blocks against 4,096, and the request failed with invalid_request): the pull asks for the
+    first ``MAX_TIER_BLOCKS`` blocks (the rest is computed), a write-back of such a run is dropped and counted."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from services.worker import tier_client as tc
+
+    monkeypatch.setattr(tc, "MAX_TIER_BLOCKS", 2)
+
+    class RecordingNats:
+        async def request(self, subject, data, timeout):
+            self.asked = protocol.decode(data, protocol.CacheGet)
+            return SimpleNamespace(data=protocol.encode(protocol.CacheGetReply(num_blocks=0)))
+
+    nc = RecordingNats()
+    client = tc.TierClient(nc, "w-1", "cache-0", "h", {"stream": object()})
+    client._tier = SimpleNamespace(draining=False, transports=["stream"], host="h")
+    client._tier_seen = time.monotonic()
+    prompt = list(range(24))
+    chain = BlockChain.of(FP, chain_digests(prompt, BS, FP))  # 6 blocks
+    assert await client.pull(1, chain, prompt, BS, [2, 4], "float32", "", "chat") is None
+    assert nc.asked.block_hashes == list(chain.keys[1:3]) and nc.asked.token_ids == prompt[4:12]
+    kv = torch.zeros(8, 2, 4)
+    assert not await client.write_back(kv, [0, 1, 2], chain[:3], prompt[:12], BS, "", "chat")
+    assert client.counters.writes_dropped == 1

@@ -82,7 +82,7 @@ static void pv_rows(const float* P, const float* Vf, int64_t D, int64_t nk, floa
 // pairs of keys per dim (Vp [KT/2][D]), the rounded weights P as pairs of keys per row (Pw [RB][KT/2]).
 constexpr bool kBf16Dot = true;
 
-static inline uint32_t bf16_bits(at::BFloat16 x) { return x.x; }
+static inline uint16_t bf16_bits(at::BFloat16 x) { return x.x; }
 
 // S[r][0..KT) = Q[r] . K[0..KT) for RB rows from Qw [RB][D/2] and Kp [D/2][KT].
 static inline void qk_block_bf16(const uint32_t* __restrict Qw, int64_t D2, const uint32_t* __restrict Kp,
@@ -133,8 +133,22 @@ static void pv_rows_bf16(const uint32_t* Pw, const uint32_t* Vp, int64_t D, int6
     default: break;
   }
 }
+
+// One row of KT softmax weights (float32) as KT/2 words of two bfloat16, rounded to nearest even: bfloat16 element
+// j of the row is key j's weight, so word w holds keys 2w (low half) and 2w + 1.
+static inline void pack_weights_bf16(const float* __restrict s, uint32_t* __restrict w) {
+  for (int64_t v = 0; v < KT; v += 32)
+    _mm512_storeu_si512(w + v / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + v + 16), _mm512_loadu_ps(s + v)));
+}
 #else
+// Without native bfloat16 dot products the float32 path runs; these are never called (kBf16Dot is false).
 constexpr bool kBf16Dot = false;
+static inline uint16_t bf16_bits(at::BFloat16 x) { return x.x; }
+static inline void qk_block_bf16(const uint32_t*, int64_t, const uint32_t*, float*) { TORCH_CHECK(false, "no bf16 dot"); }
+static inline void pv_rows_bf16(const uint32_t*, const uint32_t*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "no bf16 dot");
+}
+static inline void pack_weights_bf16(const float*, uint32_t*) { TORCH_CHECK(false, "no bf16 dot"); }
 #endif
 
 struct Task {
@@ -267,7 +281,9 @@ static void kernel(const T* q, const T* kc, const T* vc, T* out, float* out_acc,
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < KT; ++j) {
             const float e = (j >= a && j <= b) ? exp_nonpositive(s[j] - m_new) : 0.f;
-            s[j] = rnd<T>(e);  // bfloat16: the weights meet V rounded, as in torch's flash kernel; the sum is not
+            // bfloat16: the weights meet V rounded (here, or when packed for the dot products), as in torch's
+            // flash kernel; the sum is not
+            s[j] = dot ? e : rnd<T>(e);
             sum += e;
           }
           if (m_new > m[r]) {
@@ -281,13 +297,7 @@ static void kernel(const T* q, const T* kc, const T* vc, T* out, float* out_acc,
         }
         const int64_t nk = hi - t0 + 1;
         if constexpr (dot) {
-          for (int64_t r = 0; r < R; ++r)  // weights already rounded to bfloat16: their top halves, exactly
-            for (int64_t w = 0; w < KT / 2; ++w) {
-              uint32_t lo_bits, hi_bits;
-              std::memcpy(&lo_bits, &S[r * KT + 2 * w], 4);
-              std::memcpy(&hi_bits, &S[r * KT + 2 * w + 1], 4);
-              Pw[r * (KT / 2) + w] = (lo_bits >> 16) | (hi_bits & 0xffff0000u);
-            }
+          for (int64_t r = 0; r < R; ++r) pack_weights_bf16(&S[r * KT], &Pw[r * (KT / 2)]);
           for (int64_t r = 0; r < R; r += RB) pv_rows_bf16(&Pw[r * (KT / 2)], Vp.data(), D, (nk + 1) / 2, &O[r * D]);
         } else {
           for (int64_t r = 0; r < R; r += RB) pv_rows(&S[r * KT], Vf.data(), D, nk, &O[r * D]);

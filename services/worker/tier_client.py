@@ -243,8 +243,11 @@ class TierClient:
             job = await self._queue.get()
             self._sending = True
             try:
+                # the tier fetches the staging and stores it before it acks: the wait grows with the bytes (a
+                # 77K-token context's 950 MB put outlasted a fixed 10 s and was lost)
+                nbytes = int(job.put.handle.get("nbytes", 0)) if isinstance(job.put.handle, dict) else 0
                 msg = await self.nc.request(subjects.cache_put(self.tier_id, self.worker_id), protocol.encode(job.put),
-                                            timeout=max(self.timeout_s, 10.0))
+                                            timeout=transfer_timeout(max(self.timeout_s, 10.0), nbytes))
                 protocol.decode_reply(msg.data, protocol.Ack)
                 self.counters.writes += 1
                 self.counters.blocks_written += len(job.put.block_hashes)

@@ -1,11 +1,15 @@
 // Paged prefill attention for the CPU, flash-style: compiled into the same extension as cpu_attention.cpp (loaded by
-// kernels/cpu_paged_attention.py; the torch reference and the dispatch live in kernels/prefill_attention.py).
+// kernels/cpu_paged_attention.py; the dispatch is kernels/prefill_attention.py and shared/model/attention.py, whose
+// SDPA path is the fallback; tests/unit/test_prefill_attention.py checks this against a float64 softmax).
 //
 // Every prefill chunk of a step in one call: a task is (chunk, kv head, tile of query positions) and takes all G
 // query heads of its kv head, so each K/V row read from the paged cache (in place, through the block table) serves
 // G x positions query rows. Keys are visited in tiles of KT positions aligned to absolute positions, with an online
 // softmax (running max m, sum l, output O rescaled when m grows); only the keys some row of the task can see are
-// read (a sliding window skips the rest). Arithmetic in float32 for float32 and bfloat16 storage.
+// read (a sliding window skips the rest). Scores, softmax and the output accumulate in float32; bfloat16 storage on
+// a CPU with AVX512_BF16 multiplies bfloat16 pairs natively (kBf16Dot), and in bfloat16 the softmax weights are
+// rounded before they meet V, as in torch's flash kernel. A second entry serves cascade decode's shared prefix
+// (paged_prefix_attention: rows of many sequences over one prefix, unmasked, with the log-sum-exp).
 //
 // Invariant: a query row's result depends only on its position and the keys it sees, never on how the prompt was
 // chunked, which rows share its task, or how many tiles the task visits — tiles a row cannot see are skipped for

@@ -8,11 +8,12 @@ Invariants:
     tokens whose blocks are ``block_table`` (the first ``ceil(context_len / block_size)`` entries are read).
   * query at position p sees key j iff ``j <= p`` and, with a sliding window W, ``p - j < W``.
 
-On CPU in float32/bfloat16 (head dim a multiple of 16, at most 512) the C++ kernel (kernels/cpu_prefill_attention.cpp) takes
-all chunks of a step in one call, reading K/V in place through the block tables; a query row's result there depends
-only on its position and the keys it sees, so chunked, prefix-hit and one-shot prefill agree bit for bit. Elsewhere
-(float64 exactness runs, CUDA, other head dims, no compiler) shared/model/attention.py gathers each chunk's context
-and runs SDPA (torch's CPU flash kernel in float32/bfloat16).
+On CPU in float32/bfloat16 (head dim a multiple of 16, at most 512) the C++ kernel (kernels/cpu_prefill_attention.cpp)
+takes all chunks of a step in one call, reading K/V in place through the block tables; a query row's result there
+depends only on its position and the keys it sees, so chunked, prefix-hit and one-shot prefill agree bit for bit.
+Elsewhere (float64 exactness runs, CUDA, other head dims, no compiler) shared/model/attention.py gathers each chunk's
+context and runs SDPA (torch's CPU flash kernel in float32/bfloat16). ``paged_prefix_attention_cpu`` is cascade
+decode's shared part (kernels/cascade_attention.py) through the same kernel.
 """
 from __future__ import annotations
 

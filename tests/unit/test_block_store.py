@@ -251,3 +251,21 @@ async def test_concurrent_coroutines(tmp_path, clock):
         s = store.stats()
         assert s["dram_hits"] + s["ssd_hits"] == 120 and s["misses"] == 0
         assert s["dram_blocks"] + s["ssd_blocks"] >= 120
+
+
+async def test_one_put_takes_as_many_blocks_as_one_wire_put_carries(tmp_path, clock):
+    """The store's batch bound is the wire's (``MAX_TIER_BLOCKS``): a 77K-token context at block size 16 is 4,812
+    blocks, and a store bound of 4,096 refused its write-back after the wire took it (the tier lost the put)."""
+    from shared.protocol_cache import MAX_TIER_BLOCKS
+    from services.cache_tier.store.tiered import MAX_BATCH_BLOCKS
+
+    assert MAX_BATCH_BLOCKS == MAX_TIER_BLOCKS >= 77_000 // 16
+    store = await open_store(tmp_path, clock, dram_bytes=64 << 20)
+    blocks = [StoredBlock(i + 1, [i], "uint8", [1], bytes([i % 256])) for i in range(5000)]
+    await store.put_many(blocks, "chat")
+    assert store.where(5000) is not None
+    with pytest.raises(DeepinferError) as err:
+        await store.put_many([StoredBlock(i + 1, [i], "uint8", [1], b"x") for i in range(MAX_TIER_BLOCKS + 1)],
+                             "chat")
+    assert err.value.code == ErrorCode.INVALID_REQUEST
+    await store.close()

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.errors import DeepinferError, ErrorCode
+from shared.protocol_cache import MAX_TIER_BLOCKS
 from services.cache_tier.store.block import StoredBlock, check_blocks, check_hash, check_identity, check_token_ids
 from services.cache_tier.store.clock import Clock, SystemClock
 from services.cache_tier.store.config import StoreConfig
@@ -50,7 +51,7 @@ from services.cache_tier.store.write_behind import WriteBehind, dirty_entries
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_TOUCHES = 1024
-MAX_BATCH_BLOCKS = 4096
+MAX_BATCH_BLOCKS = MAX_TIER_BLOCKS   # one put of the wire carries at most this many (shared/protocol_cache.py)
 
 
 class TieredBlockStore:

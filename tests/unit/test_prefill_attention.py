@@ -68,6 +68,11 @@ def test_every_chunk_of_a_step_matches_the_softmax_reference(dtype, tol, H, KVH,
     lengths = [300, 37, 1, 130]
     seqs = Sequences(lengths, H, KVH, D, BS, dtype)
     pieces = [(0, 190, 300), (1, 0, 37), (2, 0, 1), (3, 64, 130)]  # over cached context, fresh, one token, tile-aligned
+    for s, a, _ in pieces:  # keys no row of the chunk can see (before its first query's window) are never read
+        if window and a - window + 1 > 0:
+            hidden = seqs.tables[s].repeat_interleave(BS)[:a - window + 1] * BS + torch.arange(a - window + 1) % BS
+            seqs.k_cache.view(-1, KVH, D)[hidden] = float("nan")
+            seqs.v_cache.view(-1, KVH, D)[hidden] = float("nan")
     outs = seqs.run(pieces, D ** -0.5, window)
     for (s, a, b), out in zip(pieces, outs):
         expected = reference(seqs.q[s][a:b], seqs.k[s][:b], seqs.v[s][:b], b, window, D ** -0.5)

@@ -39,31 +39,33 @@ class PrefillPlan:
 def build_plan(chunks, block_size: int) -> PrefillPlan:
     """``chunks``: objects with ``start``, ``end``, ``context_len`` and ``block_table`` (shared/model/attention.py's
     ``PrefillChunk``)."""
-    width = max(-(-c.context_len // block_size) for c in chunks)
-    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-    for i, c in enumerate(chunks):
-        n = -(-c.context_len // block_size)
-        tables[i, :n] = c.block_table[:n]
+    tables = _padded([c.block_table[:-(-c.context_len // block_size)] for c in chunks])
     return PrefillPlan(torch.tensor([c.start for c in chunks], dtype=torch.long),
                        torch.tensor([c.end for c in chunks], dtype=torch.long),
                        torch.tensor([c.context_len for c in chunks], dtype=torch.long), tables)
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Block-id rows as one ``[len(rows), longest]`` int32 table, padded with block 0 (never read)."""
+    tables = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        tables[i, :len(r)] = r
+    return tables
 
 
 def prefix_plan(row_counts: list[int], blocks: list[torch.Tensor], block_size: int) -> PrefillPlan:
     """Chunks of ``row_counts[i]`` consecutive rows, each over the whole of its ``blocks[i]`` (``[nb_i]`` block ids;
     context ``nb_i * block_size``), for ``paged_prefix_attention_cpu``."""
     ends = torch.tensor(row_counts, dtype=torch.long).cumsum(0)
-    tables = torch.zeros(len(blocks), max(len(b) for b in blocks), dtype=torch.int32)
-    for i, b in enumerate(blocks):
-        tables[i, :len(b)] = b
     return PrefillPlan(ends - torch.tensor(row_counts, dtype=torch.long), ends,
-                       torch.tensor([len(b) * block_size for b in blocks], dtype=torch.long), tables)
+                       torch.tensor([len(b) * block_size for b in blocks], dtype=torch.long), _padded(blocks))
 
 
 def native_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ``paged_prefill_attention_cpu`` takes these tensors (and the extension is built)."""
     return (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == q.dtype
-            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 512 and k_cache.stride(-1) == 1 and cpu_paged_attention.load() is not None)
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 512 and k_cache.stride(-1) == 1
+            and cpu_paged_attention.load() is not None)
 
 
 def paged_prefill_attention_cpu(q, k_cache, v_cache, out, plan: PrefillPlan, scale: float,

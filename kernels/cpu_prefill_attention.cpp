@@ -188,11 +188,13 @@ static void kernel(const T* q, const T* kc, const T* vc, T* out, float* out_acc,
   const int64_t n_tasks = int64_t(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_tasks), 1, [&](int64_t, int64_t) {
     const int64_t R_max = ((QT * G + RB - 1) / RB) * RB;
-    std::vector<float> Qf(R_max * D), O(R_max * D), S(R_max * KT), Kt(D * KT), Vf(KT * D), m(R_max), l(R_max);
-    std::vector<int64_t> rpos(R_max);
-    // the bfloat16-dot path's operands (see kBf16Dot): Q, K, V and P as 32-bit words of two bfloat16
+    // the bfloat16-dot path's operands (see kBf16Dot): Q, K, V and P as 32-bit words of two bfloat16; the float32
+    // path's: Qf, Kt (K transposed), Vf. Each path allocates only its own.
     constexpr bool dot = kBf16Dot && std::is_same_v<T, at::BFloat16>;
     const int64_t D2 = D / 2;
+    std::vector<float> Qf(dot ? 0 : R_max * D), Kt(dot ? 0 : D * KT), Vf(dot ? 0 : KT * D);
+    std::vector<float> O(R_max * D), S(R_max * KT), m(R_max), l(R_max);
+    std::vector<int64_t> rpos(R_max);
     std::vector<uint32_t> Qw(dot ? R_max * D2 : 0), Kp(dot ? D2 * KT : 0), Vp(dot ? KT / 2 * D : 0),
         Pw(dot ? R_max * KT / 2 : 0);
     for (int64_t i; (i = next.fetch_add(1)) < n_tasks;) {
